@@ -1,0 +1,33 @@
+# parle_hvd: the two commands a user needs are `make run` and `make test`.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+NP    ?= 2
+CONFIG ?= configs/fashion_parle.yaml
+
+.PHONY: setup run test test-fast clean-runs
+
+# Always re-runs: idempotent, and seconds when everything is already there.
+setup:
+	launch/setup.sh
+	@touch $(STAMP)
+
+$(STAMP): launch/setup.sh requirements.txt pyproject.toml
+	launch/setup.sh
+	@touch $(STAMP)
+
+# Train the default config on $(NP) local ranks (horovodrun --gloo).
+run: $(STAMP)
+	NP=$(NP) CONFIG=$(CONFIG) launch/local.sh $(ARGS)
+
+# The whole suite: unit, multi-rank (Gloo and MPI), integration.
+test: $(STAMP)
+	$(PY) -m pytest -q -ra --durations=15
+
+# Unit tier only (single process, seconds).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not multirank and not integration"
+
+clean-runs:
+	rm -rf runs/

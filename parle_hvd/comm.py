@@ -1,0 +1,231 @@
+"""Every collective parle_hvd performs, and the only module that imports horovod.torch.
+
+Why one module: ranks must call collectives in the same order and the same number of
+times, or the job hangs. Keeping them all here makes that auditable, lets the rest of the
+package (models, math, data) import nothing distributed, and gives one place to count
+what crosses the network.
+
+At world size 1 without a launcher, Horovod is never imported or initialised and every
+collective returns its input untouched (and counts nothing: nothing was sent). Under
+``horovodrun``/``mpirun``/``srun`` (detected from the launcher's environment) or with
+``init(backend="horovod")`` Horovod is initialised.
+
+Wire formats:
+* ``fused_allreduce_`` packs every tensor into ONE flat buffer and issues ONE
+  ``hvd.allreduce`` (op Sum), then divides the "mean" part by the world size, so the
+  result is the exact mean of the ranks' values (one rounding, like a single division).
+  The buffer's dtype is the promotion of the inputs' dtypes, at least float32 (bfloat16
+  and float16 are averaged in float32, which is exact for them and avoids depending on
+  Horovod's half-precision CPU kernels); integer tensors force float64 and are rounded
+  back to the nearest integer.
+* ``broadcast_`` packs every tensor's raw bytes into one uint8 buffer: exact for every
+  dtype, one call.
+* ``broadcast_object`` pickles, then broadcasts the length and the payload: two calls.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+_hvd = None          # the horovod.torch module once initialised, else None
+_launched_env = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+@dataclass
+class CommStats:
+    allreduce_calls: int = 0
+    allreduce_bytes: int = 0
+    broadcast_calls: int = 0
+    broadcast_bytes: int = 0
+
+    @property
+    def calls(self) -> int:
+        return self.allreduce_calls + self.broadcast_calls
+
+    @property
+    def bytes(self) -> int:
+        return self.allreduce_bytes + self.broadcast_bytes
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(calls=self.calls, bytes=self.bytes)
+        return d
+
+
+_stats = CommStats()
+
+
+def launched() -> bool:
+    """True when a launcher (horovodrun, mpirun, srun with PMI/PMIx) started this process."""
+    return any(k in os.environ for k in _launched_env)
+
+
+def init(backend: str = "auto", set_threads: bool = True) -> None:
+    """Initialise Horovod when launched by one (``backend="auto"``), always
+    (``"horovod"``) or never (``"none"``; world size 1). Idempotent."""
+    global _hvd
+    if backend not in ("auto", "horovod", "none"):
+        raise ValueError(f"dist.backend must be auto, horovod or none, not {backend!r}")
+    if _hvd is None and (backend == "horovod" or (backend == "auto" and launched())):
+        import horovod.torch as hvd  # the one import of horovod.torch in parle_hvd
+
+        hvd.init()
+        _hvd = hvd
+    if set_threads:
+        # Ranks on one host share its cores; oversubscribed intra-op threads thrash.
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_size()))
+
+
+def is_initialized() -> bool:
+    return _hvd is not None
+
+
+def rank() -> int:
+    return _hvd.rank() if _hvd else 0
+
+
+def size() -> int:
+    return _hvd.size() if _hvd else 1
+
+
+def local_rank() -> int:
+    return _hvd.local_rank() if _hvd else 0
+
+
+def local_size() -> int:
+    return _hvd.local_size() if _hvd else 1
+
+
+def controller() -> str:
+    """'mpi', 'gloo' or 'none' (world size 1 without Horovod)."""
+    if not _hvd:
+        return "none"
+    return "mpi" if _hvd.mpi_enabled() else "gloo"
+
+
+def _active() -> bool:
+    return _hvd is not None and _hvd.size() > 1
+
+
+def stats() -> CommStats:
+    """The live counters (a copy)."""
+    return CommStats(**asdict(_stats))
+
+
+def reset_stats() -> None:
+    global _stats
+    _stats = CommStats()
+
+
+def load_stats(d: dict) -> None:
+    """Restore counters (e.g. from a checkpoint) so a resumed run reports its total."""
+    global _stats
+    _stats = CommStats(**{k: int(d[k]) for k in asdict(_stats)})
+
+
+def _wire_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    dt = torch.float32
+    for t in tensors:
+        if not (t.is_floating_point()):
+            return torch.float64
+        dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+def fused_allreduce_(means: Sequence[torch.Tensor] = (), sums: Sequence[torch.Tensor] = (),
+                     *, name: str = "fused") -> None:
+    """In place: every tensor in ``means`` becomes the mean over ranks, every tensor in
+    ``sums`` the sum over ranks, through one flat buffer and one allreduce.
+
+    All ranks reach this with the same shapes, dtypes and order, or the job hangs.
+    """
+    tensors = list(means) + list(sums)
+    if not tensors or not _active():
+        return
+    device = tensors[0].device
+    wire = _wire_dtype(tensors)
+    n_mean = sum(t.numel() for t in means)
+    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=wire) for t in tensors])
+    # all ranks reach this
+    flat = _hvd.allreduce(flat, op=_hvd.Sum, name=f"parle_hvd.{name}")
+    _stats.allreduce_calls += 1
+    _stats.allreduce_bytes += flat.numel() * flat.element_size()
+    if n_mean:
+        flat[:n_mean].div_(_hvd.size())
+    off = 0
+    for t in tensors:
+        seg = flat[off:off + t.numel()].view_as(t)
+        if not t.is_floating_point():
+            seg = seg.round()
+        with torch.no_grad():
+            t.copy_(seg)
+        off += t.numel()
+
+
+def allreduce_mean_(tensors: Sequence[torch.Tensor], *, name: str = "mean") -> None:
+    """In place, the exact mean over ranks of each tensor; one fused call. All ranks reach this."""
+    fused_allreduce_(means=tensors, name=name)
+
+
+def allreduce_sum_(tensors: Sequence[torch.Tensor], *, name: str = "sum") -> None:
+    """In place, the sum over ranks of each tensor; one fused call. All ranks reach this."""
+    fused_allreduce_(sums=tensors, name=name)
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], root: int = 0, *, name: str = "bcast") -> None:
+    """In place, every tensor takes rank ``root``'s values (bit-exact, any dtype); one call.
+    All ranks reach this."""
+    tensors = list(tensors)
+    if not tensors or not _active():
+        return
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tensors])
+    # all ranks reach this
+    flat = _hvd.broadcast(flat, root_rank=root, name=f"parle_hvd.{name}")
+    _stats.broadcast_calls += 1
+    _stats.broadcast_bytes += flat.numel()
+    off = 0
+    for t in tensors:
+        nb = t.numel() * t.element_size()
+        seg = flat[off:off + nb].view(t.dtype).view_as(t)
+        with torch.no_grad():
+            t.copy_(seg.to(t.device))
+        off += nb
+
+
+def broadcast_object(obj: Any = None, root: int = 0, *, name: str = "obj") -> Any:
+    """Rank ``root``'s picklable ``obj`` on every rank; two calls (length, payload).
+    All ranks reach this."""
+    if not _active():
+        return obj
+    payload = pickle.dumps(obj) if rank() == root else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    broadcast_([length], root, name=f"{name}.len")  # all ranks reach this
+    buf = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if rank() == root:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    broadcast_([buf], root, name=f"{name}.data")  # all ranks reach this
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def shutdown() -> None:
+    """Shut Horovod down without a barrier (a barrier would hang if a rank already died)."""
+    global _hvd
+    if _hvd is not None:
+        _hvd.shutdown()
+        _hvd = None
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+__all__ = [
+    "CommStats", "launched", "init", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "controller", "stats", "reset_stats", "load_stats", "fused_allreduce_", "allreduce_mean_",
+    "allreduce_sum_", "broadcast_", "broadcast_object", "shutdown", "nbytes",
+]

@@ -1,0 +1,122 @@
+"""Launch a script on several ranks from pytest, collect each rank's JSON result, and
+never let a hang eat the CI budget.
+
+    results = run_ranks("tests/ranks/comm_check.py", controller="gloo", np=2)
+    results[0]["..."]      # what rank 0 passed to report()
+
+A rank script calls ``report(obj)`` (from ``tests/ranks/_rank.py``) which writes
+``$PARLE_TEST_OUT/rank<r>.json``. The launcher runs in its own session; on timeout the
+whole process tree (launcher, its ssh/exec helpers, every rank, and anything in their
+process groups) is killed, and ``MultiRankError`` carries every rank's output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           # No InfiniBand/openib here; keep OpenMPI quiet and on TCP/shared memory.
+           "OMPI_MCA_btl": "^openib", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+
+
+class MultiRankError(AssertionError):
+    pass
+
+
+def launcher_cmd(controller: str, np: int) -> list[str]:
+    if controller == "gloo":
+        return [str(VENV_BIN / "horovodrun"), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
+    if controller == "mpi":
+        return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", "--tag-output",
+                "-x", "PATH", "-x", "PYTHONPATH", "-x", "PARLE_TEST_OUT", "-x", "OMPI_MCA_btl",
+                "-x", "HOROVOD_STALL_CHECK_TIME_SECONDS", "-x", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]
+    raise ValueError(controller)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid, all its descendants, and their process groups."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    pgids = set()
+    for p in procs:
+        try:
+            pgids.add(os.getpgid(p.pid))
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for g in pgids:
+        if g != os.getpgid(0):
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def run_ranks(script: str | Path, *, controller: str = "gloo", np: int = 2, args=(),
+              timeout: float = 120.0, env: dict | None = None, out_dir: Path | None = None,
+              expect_fail: bool = False) -> list[dict]:
+    """Run ``script`` on ``np`` ranks; return the ranks' reports in rank order.
+
+    Raises MultiRankError (with every rank's output) if the job times out, exits non-zero,
+    or a rank wrote no report. With ``expect_fail`` a non-zero exit is returned as
+    ``[{"_rc": rc, "_output": ...}]`` instead (timeouts still raise)."""
+    own_tmp = out_dir is None
+    out = Path(tempfile.mkdtemp(prefix="parle_mr_")) if own_tmp else Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    e = dict(os.environ)
+    e.update(MPI_ENV)
+    e["PARLE_TEST_OUT"] = str(out)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
+    e["PATH"] = f"{VENV_BIN}{os.pathsep}{e['PATH']}"
+    e.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
+    e.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+    if env:
+        e.update(env)
+    cmd = launcher_cmd(controller, np) + [sys.executable, str(script), *map(str, args)]
+    log = out / "launcher.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=e,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            raise MultiRankError(
+                f"{controller} job {Path(script).name} timed out after {timeout:.0f}s and was killed;"
+                f" output of every rank:\n{log.read_text(errors='replace')}")
+    output = log.read_text(errors="replace")
+    if rc != 0:
+        if expect_fail:
+            return [{"_rc": rc, "_output": output, "_seconds": time.monotonic() - t0}]
+        raise MultiRankError(f"{controller} job {Path(script).name} exited {rc}; output:\n{output}")
+    results = []
+    for r in range(np):
+        f = out / f"rank{r}.json"
+        if not f.exists():
+            raise MultiRankError(f"rank {r} wrote no report; output:\n{output}")
+        results.append(json.loads(f.read_text()))
+    if own_tmp:
+        shutil.rmtree(out, ignore_errors=True)
+    return results

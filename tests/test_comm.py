@@ -1,0 +1,99 @@
+"""The comm module: exact fused means, broadcasts and counters, under Gloo and MPI, and
+at world size 1 without any launcher. Also the multi-rank harness's hang handling."""
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from multirank import ROOT, MultiRankError, run_ranks
+
+CONTROLLERS = ["gloo", "mpi"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_collectives_exact(controller):
+    res = run_ranks(ROOT / "tests/ranks/comm_check.py", controller=controller, np=2, timeout=120)
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["size"] == 2 and r["controller"] == controller
+        # every constant tensor (rank numbers 0 and 1) averages to exactly 0.5, shape and dtype kept
+        for vals in r["mean_values"][:-1]:
+            assert vals == [0.5] * len(vals)
+        # (0..5)*1 and (0..5)*2 average to (0..5)*1.5
+        assert r["mean_values"][-1] == [1.5 * i for i in range(6)]
+        assert r["mean_dtypes"] == (["torch.float32"] * 4 + ["torch.float64"] * 4
+                                    + ["torch.bfloat16"] * 4 + ["torch.float32"])
+        assert r["mean_shapes"] == [[3], [2, 5], [4, 1, 3], []] * 3 + [[2, 3]]
+        assert r["mean_calls"] == 1
+        assert r["mean_bytes"] == r["mean_expected_bytes"]
+        assert r["fused_mean"] == [0.5] * 5 and r["fused_sum"] == [1.0, 2.0]
+        # broadcast: rank 0's values, bit-exact, every dtype, one call
+        assert r["bcast"] == [[[10.0, 10.0]] * 3, [0, 0], [0.1, 0.1]]
+        assert r["bcast_calls"] == 1 and r["bcast_bytes"] == r["bcast_expected_bytes"]
+        assert r["obj"] == {"from": 0, "cfg": {"lr": 0.1}}
+        # exact totals: 2 allreduces (mean, fused) + 3 broadcasts (tensors, obj length, obj payload)
+        s = r["stats"]
+        assert s["allreduce_calls"] == 2 and s["broadcast_calls"] == 3
+        assert s["allreduce_bytes"] == r["mean_expected_bytes"] + 4 * 7
+        assert s["broadcast_bytes"] == r["bcast_expected_bytes"] + 8 + r["obj_pickle_bytes"]
+
+
+def test_world_size_one_without_launcher():
+    """No launcher: Horovod is not imported, collectives are identities, counters stay 0."""
+    code = """
+import sys, torch
+from parle_hvd import comm
+comm.init()
+assert not comm.is_initialized() and comm.size() == 1 and comm.rank() == 0
+t = torch.arange(5.0); comm.allreduce_mean_([t]); assert t.tolist() == [0, 1, 2, 3, 4]
+comm.allreduce_sum_([t]); comm.broadcast_([t]); assert t.tolist() == [0, 1, 2, 3, 4]
+assert comm.broadcast_object({'a': 1}) == {'a': 1}
+assert comm.stats().calls == 0 and comm.stats().bytes == 0
+assert 'horovod' not in sys.modules, 'horovod imported at world size 1'
+comm.shutdown()
+print('OK')
+"""
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"
+
+
+def _leftovers(marker: str):
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(marker in c for c in (p.info["cmdline"] or [])):
+                found.append(p.info)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_dead_or_silent_rank_fails_within_timeout_and_leaves_nothing(controller, mode):
+    """Rank 1 dies with SIGKILL, or stops answering; rank 0 waits in an allreduce. The
+    launcher may notice (horovodrun and mpirun abort the job when a rank dies); when it
+    does not (a silent rank under Gloo hangs forever) the harness kills the whole tree at
+    its timeout. Either way: an error with both ranks' output within the timeout, and no
+    process left behind."""
+    timeout = 20
+    t0 = time.monotonic()
+    with pytest.raises(MultiRankError) as ei:
+        run_ranks(ROOT / "tests/ranks/die.py", controller=controller, np=2, timeout=timeout,
+                  args=[mode])
+    elapsed = time.monotonic() - t0
+    msg = str(ei.value)
+    assert elapsed < timeout + 15, elapsed
+    assert f"rank 1 about to {'die' if mode == 'kill' else 'hang'}" in msg
+    assert "rank 0 entering allreduce" in msg
+    time.sleep(0.5)
+    assert _leftovers("tests/ranks/die.py") == []
