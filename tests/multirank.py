@@ -72,51 +72,76 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+class RankJob:
+    """A launched multi-rank job: ``wait`` (kills the tree on timeout), ``kill``, ``output``."""
+
+    def __init__(self, argv, *, controller: str = "gloo", np: int = 2, env: dict | None = None,
+                 out_dir: Path | None = None):
+        self.controller, self.np = controller, np
+        self.out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="parle_mr_"))
+        self.out.mkdir(parents=True, exist_ok=True)
+        e = dict(os.environ)
+        e.update(MPI_ENV)
+        e["PARLE_TEST_OUT"] = str(self.out)
+        e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
+        e["PATH"] = f"{VENV_BIN}{os.pathsep}{e['PATH']}"
+        e.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
+        e.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+        if env:
+            e.update(env)
+        self.name = Path(str(argv[0])).name
+        cmd = launcher_cmd(controller, np) + [sys.executable, *map(str, argv)]
+        self.log = self.out / "launcher.log"
+        self._fh = open(self.log, "wb")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT, env=e,
+                                     start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        kill_tree(self.proc.pid)
+        self.proc.wait()
+        self._fh.close()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            rc = self.proc.wait(timeout=max(0.1, timeout - (time.monotonic() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise MultiRankError(
+                f"{self.controller} job {self.name} timed out after {timeout:.0f}s and was killed;"
+                f" output of every rank:\n{self.output}")
+        self._fh.close()
+        return rc
+
+
 def run_ranks(script: str | Path, *, controller: str = "gloo", np: int = 2, args=(),
               timeout: float = 120.0, env: dict | None = None, out_dir: Path | None = None,
-              expect_fail: bool = False) -> list[dict]:
+              expect_fail: bool = False, reports: bool = True) -> list[dict]:
     """Run ``script`` on ``np`` ranks; return the ranks' reports in rank order.
 
     Raises MultiRankError (with every rank's output) if the job times out, exits non-zero,
     or a rank wrote no report. With ``expect_fail`` a non-zero exit is returned as
-    ``[{"_rc": rc, "_output": ...}]`` instead (timeouts still raise)."""
-    own_tmp = out_dir is None
-    out = Path(tempfile.mkdtemp(prefix="parle_mr_")) if own_tmp else Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    e = dict(os.environ)
-    e.update(MPI_ENV)
-    e["PARLE_TEST_OUT"] = str(out)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
-    e["PATH"] = f"{VENV_BIN}{os.pathsep}{e['PATH']}"
-    e.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
-    e.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
-    if env:
-        e.update(env)
-    cmd = launcher_cmd(controller, np) + [sys.executable, str(script), *map(str, args)]
-    log = out / "launcher.log"
-    t0 = time.monotonic()
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=e,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.wait()
-            raise MultiRankError(
-                f"{controller} job {Path(script).name} timed out after {timeout:.0f}s and was killed;"
-                f" output of every rank:\n{log.read_text(errors='replace')}")
-    output = log.read_text(errors="replace")
+    ``[{"_rc": rc, "_output": ...}]`` instead (timeouts still raise). With
+    ``reports=False`` no rank reports are expected: ``[{"_rc": 0, "_output": ...}]``."""
+    job = RankJob([script, *args], controller=controller, np=np, env=env, out_dir=out_dir)
+    rc = job.wait(timeout)
+    output = job.output
     if rc != 0:
         if expect_fail:
-            return [{"_rc": rc, "_output": output, "_seconds": time.monotonic() - t0}]
-        raise MultiRankError(f"{controller} job {Path(script).name} exited {rc}; output:\n{output}")
+            return [{"_rc": rc, "_output": output, "_seconds": time.monotonic() - job.t0}]
+        raise MultiRankError(f"{controller} job {job.name} exited {rc}; output:\n{output}")
+    if not reports:
+        return [{"_rc": 0, "_output": output, "_seconds": time.monotonic() - job.t0}]
     results = []
     for r in range(np):
-        f = out / f"rank{r}.json"
+        f = job.out / f"rank{r}.json"
         if not f.exists():
             raise MultiRankError(f"rank {r} wrote no report; output:\n{output}")
         results.append(json.loads(f.read_text()))
-    if own_tmp:
-        shutil.rmtree(out, ignore_errors=True)
+    if out_dir is None:
+        shutil.rmtree(job.out, ignore_errors=True)
     return results

@@ -1,0 +1,107 @@
+"""Checkpoints that survive a crash at any moment.
+
+Layout: ``<run.dir>/checkpoints/step-<k>/rank-<r>.pt``, one file per replica, written by
+that rank. Each file is written to a temporary name, fsynced, renamed, and its directory
+fsynced, so a file with the final name is always complete. A checkpoint step is complete
+when every rank's file exists. Older files are pruned only after a newer one is written,
+keeping ``keep >= 2``: since ranks pass a sync between two checkpoints, the slowest rank
+is at most one checkpoint behind, and the newest step that every rank has always survives.
+No collective is needed to write or to find a checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_STEP = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / "checkpoints" / f"step-{step:08d}"
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to ``path`` so that ``path`` is either absent, the old file, or complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def save(root: Path, step: int, rank: int, state: dict, keep: int) -> Path:
+    path = step_dir(root, step) / f"rank-{rank}.pt"
+    atomic_save(state, path)
+    prune(root, rank, keep)
+    return path
+
+
+def steps(root: Path) -> list[int]:
+    d = Path(root) / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _STEP.match(p.name)))
+
+
+def prune(root: Path, rank: int, keep: int) -> None:
+    """Remove this rank's files older than its ``keep`` newest; empty step dirs go too."""
+    mine = [s for s in steps(root) if (step_dir(root, s) / f"rank-{rank}.pt").exists()]
+    for s in mine[:-keep]:
+        d = step_dir(root, s)
+        (d / f"rank-{rank}.pt").unlink(missing_ok=True)
+        try:
+            d.rmdir()      # only when no other rank's file is left
+        except OSError:
+            pass
+
+
+def latest_complete(root: Path, world: int) -> Optional[int]:
+    """The newest step for which every rank 0..world-1 has a file, or None."""
+    for s in reversed(steps(root)):
+        d = step_dir(root, s)
+        if all((d / f"rank-{r}.pt").is_file() for r in range(world)):
+            return s
+    return None
+
+
+def load(root: Path, step: int, rank: int) -> dict:
+    path = step_dir(root, step) / f"rank-{rank}.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one clear error
+        raise CheckpointError(f"checkpoint {path} cannot be read ({e.__class__.__name__}: {e})") from None
+
+
+def discard_after(root: Path, step: int) -> None:
+    """Remove step directories newer than ``step`` (incomplete leftovers of a crash)."""
+    for s in steps(root):
+        if s > step:
+            shutil.rmtree(step_dir(root, s), ignore_errors=True)

@@ -1,0 +1,64 @@
+"""Command line: ``python train.py --config configs/x.yaml [key.sub=value ...]``.
+
+Bad input (config, data, run directory) ends with one line on rank 0 and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USAGE = """train.py [--config FILE] [--resume] [key.sub=value ...]
+
+Launch:
+  horovodrun -np 2 -H localhost:2 python train.py --config configs/fashion_parle.yaml
+  mpirun -np 4 -H node1:2,node2:2 python train.py --config configs/fashion_parle.yaml parle.sync_period=50
+  python train.py --config configs/fashion_parle.yaml train.epochs=1      # one process"""
+
+
+def _rank_from_env() -> int:
+    for k in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if k in os.environ:
+            try:
+                return int(os.environ[k])
+            except ValueError:
+                pass
+    return 0
+
+
+def main(argv=None) -> int:
+    from .config import ConfigError, help_text, make_config
+
+    ap = argparse.ArgumentParser(prog="train.py", usage=USAGE, add_help=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--resume", action="store_true", help="same as run.resume=true")
+    ap.add_argument("-h", "--help", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    if args.help:
+        print(f"usage: {USAGE}\n\nConfiguration keys (YAML sections, or key.sub=value on the command line):\n"
+              f"{help_text()}")
+        return 0
+    rank = _rank_from_env()
+    try:
+        from .checkpoint import CheckpointError
+        from .data import DataError
+        from .trainer import RunError, train
+        overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
+        cfg = make_config(args.config, overrides)
+        train(cfg)
+    except (ConfigError, DataError, RunError, CheckpointError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"[rank {rank}] interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        from . import comm
+        comm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Typed configuration: dataclasses, YAML files, ``key.sub=value`` overrides.
+
+    python train.py --config configs/fashion_parle.yaml parle.sync_period=50 train.epochs=3
+
+Every field has a default and a one-line meaning (``python train.py --help`` lists them).
+Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, List
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the key."""
+
+
+def _f(default, help: str, choices=None):
+    md = {"help": help}
+    if choices:
+        md["choices"] = tuple(choices)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=md)
+    return field(default=default, metadata=md)
+
+
+def _check(cond: bool, key: str, msg: str):
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+@dataclass
+class DataConfig:
+    name: str = _f("fashion-mnist", "dataset", ["fashion-mnist", "mnist"])
+    dir: str = _f("", "directory with the dataset files ('' = the dataset's default location)")
+    split: str = _f("full", "full: every replica sees all data; frac: replica i sees a window of "
+                    "data.frac of it starting at i/n (PARLE.md)", ["full", "frac"])
+    frac: float = _f(1.0, "fraction of the training data each replica sees when split=frac, in (0, 1]")
+    train_limit: int = _f(0, "use only the first N training examples (0 = all); for smoke runs")
+    test_limit: int = _f(0, "use only the first N test examples (0 = all)")
+    augment: bool = _f(False, "random crop (4-pixel pad) and horizontal flip on training batches")
+
+    def __post_init__(self):
+        _check(0.0 < self.frac <= 1.0, "data.frac", f"must be in (0, 1], got {self.frac}")
+        _check(self.train_limit >= 0, "data.train_limit", "must be >= 0")
+        _check(self.test_limit >= 0, "data.test_limit", "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("lenet", "network", ["lenet"])
+    dropout: float = _f(0.25, "dropout probability (LeNet: after each block, as in the authors' code)")
+    dtype: str = _f("float32", "parameter dtype", ["float32", "float64"])
+
+    def __post_init__(self):
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class ParleConfig:
+    sync_period: int = _f(25, "L: inner steps between two allreduces (one outer step)")
+    alpha: float = _f(0.75, "z average: z = alpha*z + (1-alpha)*y")
+    momentum: float = _f(0.9, "mu, for both the inner and the outer momentum")
+    nesterov: bool = _f(True, "Nesterov momentum (else heavy ball)")
+    gamma0_inv: float = _f(0.01, "1/gamma0: initial inner (local-entropy) coupling")
+    gamma_min_inv: float = _f(1.0, "1/gamma_min: cap of the inner coupling")
+    rho0_inv: float = _f(1.0, "1/rho0: initial elastic coupling toward the reference")
+    rho_min_inv: float = _f(10.0, "1/rho_min: cap of the elastic coupling")
+    scoping: float = _f(0.5, "s: couplings grow by (1 + s/nb) per outer step")
+    init: str = _f("independent", "replica initialisation: independent (seed + rank) or "
+                   "broadcast (rank 0's weights)", ["independent", "broadcast"])
+
+    def __post_init__(self):
+        _check(self.sync_period >= 1, "parle.sync_period", f"must be >= 1, got {self.sync_period}")
+        _check(0.0 <= self.alpha < 1.0, "parle.alpha", f"must be in [0, 1), got {self.alpha}")
+        _check(0.0 <= self.momentum < 1.0, "parle.momentum", f"must be in [0, 1), got {self.momentum}")
+        for k in ("gamma0_inv", "gamma_min_inv", "rho0_inv", "rho_min_inv", "scoping"):
+            _check(getattr(self, k) >= 0.0, f"parle.{k}", f"must be >= 0, got {getattr(self, k)}")
+        _check(self.gamma_min_inv >= self.gamma0_inv, "parle.gamma_min_inv", "must be >= parle.gamma0_inv")
+        _check(self.rho_min_inv >= self.rho0_inv, "parle.rho_min_inv", "must be >= parle.rho0_inv")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(0.1, "initial learning rate: the inner lr (held fixed) and the start of the outer schedule")
+    schedule: str = _f("step", "outer learning-rate schedule", ["constant", "step", "cosine"])
+    milestones: List[float] = _f([], "step schedule: passes over the data at which lr *= decay")
+    decay: float = _f(0.2, "step schedule: factor at each milestone")
+    warmup_passes: float = _f(0.0, "linear warm-up of the outer lr over this many passes")
+    weight_decay: float = _f(0.0, "wd: L2 coefficient in the inner gradient")
+
+    def __post_init__(self):
+        _check(self.lr > 0.0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0.0 < self.decay <= 1.0, "optim.decay", f"must be in (0, 1], got {self.decay}")
+        _check(self.weight_decay >= 0.0, "optim.weight_decay", "must be >= 0")
+        _check(self.warmup_passes >= 0.0, "optim.warmup_passes", "must be >= 0")
+        _check(list(self.milestones) == sorted(self.milestones), "optim.milestones", "must be increasing")
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = _f(10.0, "passes over each replica's data (not the authors' 'epochs', PARLE.md)")
+    batch_size: int = _f(128, "mini-batch per replica")
+    seed: int = _f(42, "base seed; replica a uses seed + a for its weights and data order")
+
+    def __post_init__(self):
+        _check(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
+        _check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class EvalConfig:
+    every: float = _f(1.0, "evaluate the reference every this many passes (and at the end)")
+    bn_batches: int = _f(20, "recompute the reference's BatchNorm statistics on this many "
+                         "training batches before evaluating (0: use the averaged statistics)")
+    batch_size: int = _f(1000, "evaluation batch size")
+
+    def __post_init__(self):
+        _check(self.every > 0, "eval.every", "must be > 0")
+        _check(self.bn_batches >= 0, "eval.bn_batches", "must be >= 0")
+        _check(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("", "run directory ('' = runs/<name>-<timestamp>)")
+    name: str = _f("", "run name ('' = the config file's name)")
+    resume: bool = _f(False, "continue from the latest complete checkpoint in run.dir "
+                      "('' dir: the newest runs/<name>-* with one)")
+    ckpt_every: int = _f(50, "checkpoint every this many outer steps (and at the end); 0 = only at the end")
+    keep: int = _f(2, "checkpoints kept per rank (>= 2, so a complete one always survives)")
+    log_every: int = _f(1, "log scalars every this many outer steps")
+    tensorboard: bool = _f(True, "write TensorBoard event files")
+    progress: str = _f("auto", "progress bar on rank 0: auto (when a terminal), bar, lines", ["auto", "bar", "lines"])
+
+    def __post_init__(self):
+        _check(self.ckpt_every >= 0, "run.ckpt_every", "must be >= 0")
+        _check(self.keep >= 2, "run.keep", f"must be >= 2, got {self.keep}")
+        _check(self.log_every >= 1, "run.log_every", "must be >= 1")
+
+
+@dataclass
+class DistConfig:
+    backend: str = _f("auto", "auto: Horovod when started by horovodrun/mpirun/srun; none: one process",
+                      ["auto", "horovod", "none"])
+    threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
+
+    def __post_init__(self):
+        _check(self.threads >= 0, "dist.threads", "must be >= 0")
+
+
+@dataclass
+class Config:
+    algo: str = _f("parle", "training algorithm", ["parle"])
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parle: ParleConfig = field(default_factory=ParleConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+# --------------------------------------------------------------------------- building
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (list, List):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp, value: Any):
+    origin = typing.get_origin(tp)
+    if origin in (list, List):
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list of {_type_name(inner)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", inner, v) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if value is None:
+            return ""
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls, d: dict, prefix: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in fields(cls)}
+    for k in d:
+        if k not in names:
+            where = f"{prefix}.{k}" if prefix else str(k)
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(names)})")
+    kwargs = {}
+    for name, f in names.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, d.get(name, {}) or {}, key)
+        elif name in d:
+            v = _coerce(key, tp, d[name])
+            ch = f.metadata.get("choices")
+            if ch and v not in ch:
+                raise ConfigError(f"{key}: must be one of {', '.join(ch)}, got {v!r}")
+            kwargs[name] = v
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{prefix}: {e}") from None
+
+
+def _set_path(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """``key.sub=value`` -> (``key.sub``, YAML-parsed value)."""
+    if "=" not in arg:
+        raise ConfigError(f"{arg}: overrides are key.sub=value")
+    key, raw = arg.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"{arg}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: no such file {p}")
+    try:
+        d = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config: YAML syntax error in {p}{where}: "
+                          f"{getattr(e, 'problem', None) or e}") from None
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config: {p} must hold a mapping of sections")
+    return d
+
+
+def make_config(path: str | Path | None = None, overrides: List[str] = ()) -> Config:
+    raw = load_yaml(path) if path else {}
+    for o in overrides:
+        k, v = parse_override(o)
+        _set_path(raw, k, v)
+    cfg = _build(Config, raw, "")
+    if not cfg.run.name:
+        cfg.run.name = Path(path).stem if path else "default"
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def help_text() -> str:
+    """Every key with its type, default and meaning."""
+    lines = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            tp = hints[f.name]
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key)
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            ch = f.metadata.get("choices")
+            t = "|".join(ch) if ch else _type_name(tp)
+            lines.append(f"  {key:<24} {t:<18} default {default!r:<16} {f.metadata.get('help', '')}")
+
+    walk(Config, "")
+    return "\n".join(lines)

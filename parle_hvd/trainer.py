@@ -1,0 +1,385 @@
+"""The Parle training loop: one MPI rank = one replica.
+
+    horovodrun -np 2 -H localhost:2 python train.py --config configs/fashion_parle.yaml
+    mpirun -np 4 python train.py --config configs/fashion_parle.yaml parle.sync_period=50
+
+Read top to bottom: set up (rank 0 resolves the run, all ranks load data and build their
+replica), one initial sync, then K outer steps of [L inner steps, outer update, one sync],
+with evaluations and checkpoints between syncs.
+
+The one sync per outer step is ONE fused allreduce carrying, in one flat buffer:
+  * the replica's parameters and BatchNorm buffers (averaged: the reference);
+  * rank 0's schedule values for the next outer step (gk, rk, lr_k; other ranks send 0,
+    so the sum is rank 0's value: a broadcast folded into the allreduce);
+  * one slot row per replica (only that replica's row is non-zero, so the sum gathers
+    every replica's training loss, its distance to the reference and a non-finite flag).
+An evaluation is one more allreduce (float64 sums of correct, loss, count). So a run of
+K outer steps with E evaluations makes exactly K + 1 + E allreduces (the +1 forms the
+first reference from the independently initialised replicas).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint, comm
+from .config import Config, ConfigError, to_dict
+from .data import DataError, ReplicaSampler, augment_batch, load_dataset, replica_indices, to_input, _gen
+from .logger import RunLogger
+from .models import build_model, sync_tensors
+from .parle import Parle, lr_at, scoping
+
+SLOT = ("loss", "loss_max", "distance", "nonfinite")   # one row per replica in every sync
+SCHED = ("gk", "rk", "lr")                               # rank 0's values for the next step
+
+
+class RunError(RuntimeError):
+    """A problem with the run itself (directory, resume); one line, exit 2."""
+
+
+# --------------------------------------------------------------------------- the exchange
+class Exchange:
+    """Packs what rides along with the reference allreduce (see the module docstring).
+
+    The buffer has the model's dtype. Rank 0's schedule values are sent as two numbers
+    each, ``hi = v`` rounded to that dtype and ``lo = v - hi``, so that ``hi + lo`` gives
+    every rank (rank 0 included) the same value, within 1e-14 of rank 0's float64 one
+    even in a float32 buffer."""
+
+    def __init__(self, world: int, rank: int, dtype: torch.dtype):
+        self.world, self.rank, self.dtype = world, rank, dtype
+        self.n_sched = 2 * len(SCHED)
+        self.buf = torch.zeros(self.n_sched + world * len(SLOT), dtype=dtype)
+
+    def pack(self, sched: Optional[tuple], slot: dict) -> torch.Tensor:
+        self.buf.zero_()
+        if self.rank == 0:
+            v = torch.tensor(sched, dtype=torch.float64)
+            hi = v.to(self.dtype)
+            self.buf[:len(SCHED)] = hi
+            self.buf[len(SCHED):self.n_sched] = (v - hi.double()).to(self.dtype)
+        off = self.n_sched + self.rank * len(SLOT)
+        self.buf[off:off + len(SLOT)] = torch.tensor([float(slot[k]) for k in SLOT], dtype=torch.float64)
+        return self.buf
+
+    def unpack(self) -> tuple[tuple, torch.Tensor]:
+        b = self.buf.double()
+        sched = tuple(float(h + l) for h, l in zip(b[:len(SCHED)], b[len(SCHED):self.n_sched]))
+        rows = b[self.n_sched:].view(self.world, len(SLOT))
+        return sched, rows
+
+
+def sync(model_t: list, ref_t: list, ex: Exchange, sched: Optional[tuple], slot: dict):
+    """Form the reference in ``ref_t`` from every replica's ``model_t`` and exchange the
+    schedule and the slots: one allreduce. All ranks reach this, once per outer step."""
+    with torch.no_grad():
+        for r, m in zip(ref_t, model_t):
+            r.copy_(m)
+    ctrl = ex.pack(sched, slot)
+    comm.fused_allreduce_(means=ref_t, sums=[ctrl], name="sync")   # all ranks reach this
+    return ex.unpack()
+
+
+def replica_distance(model: nn.Module, ref: nn.Module) -> float:
+    with torch.no_grad():
+        s = sum(float((p.double() - q.double()).pow(2).sum()) for p, q in zip(model.parameters(), ref.parameters()))
+    return math.sqrt(s)
+
+
+# --------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype) -> None:
+    """Re-estimate the reference's BatchNorm statistics on ``batches`` training batches.
+    Every rank uses the same batches (a shuffle seeded by seed and step), so the ranks'
+    references stay identical without a collective."""
+    bns = [m for m in ref.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns or batches == 0:
+        return
+    saved = [(m, m.momentum) for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None            # cumulative average over the batches
+    ref.train()
+    for m in ref.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()                 # no dropout, and no draw from the training RNG
+    perm = torch.randperm(len(ds.train_x), generator=_gen(seed, 0xB4, step))
+    for i in range(min(batches, len(perm) // batch_size or 1)):
+        idx = perm[i * batch_size:(i + 1) * batch_size]
+        ref(to_input(ds.train_x[idx], ds.mean, ds.std, dtype))
+    for m, mom in saved:
+        m.momentum = mom
+    ref.eval()
+
+
+@torch.no_grad()
+def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, extra: list):
+    """Test loss and accuracy of the reference, the test set sharded across ranks and the
+    sums allreduced in float64 together with ``extra`` slot rows. All ranks reach this."""
+    ref.eval()
+    n = len(ds.test_x)
+    lo, hi = (rank * n) // world, ((rank + 1) * n) // world
+    correct = loss = 0.0
+    for i in range(lo, hi, batch_size):
+        x = to_input(ds.test_x[i:min(i + batch_size, hi)], ds.mean, ds.std, dtype)
+        y = ds.test_y[i:min(i + batch_size, hi)]
+        out = ref(x)
+        loss += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += float((out.argmax(1) == y).sum())
+    sums = torch.tensor([correct, loss, float(hi - lo)], dtype=torch.float64)
+    rows = torch.zeros(world, len(extra), dtype=torch.float64)
+    rows[rank] = torch.tensor(extra, dtype=torch.float64)
+    comm.allreduce_sum_([sums, rows], name="eval")   # all ranks reach this
+    c, l, cnt = sums.tolist()
+    return c / cnt, l / cnt, rows
+
+
+# --------------------------------------------------------------------------- run setup
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _versions() -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+    try:
+        import horovod
+        v["horovod"] = horovod.__version__
+    except ImportError:
+        v["horovod"] = None
+    from . import __version__
+    v["parle_hvd"] = __version__
+    return v
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    """Rank 0 only: the run directory, created and checked writable."""
+    if cfg.run.dir:
+        d = Path(cfg.run.dir)
+    elif cfg.run.resume:
+        cands = sorted(Path("runs").glob(f"{cfg.run.name}-*"), key=lambda p: p.stat().st_mtime)
+        cands = [c for c in cands if checkpoint.steps(c)]
+        if not cands:
+            raise RunError(f"run.resume: no runs/{cfg.run.name}-* directory with a checkpoint; set run.dir")
+        d = cands[-1]
+    else:
+        d = Path("runs") / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunError(f"run.dir: cannot write to {d} ({e.strerror or e})") from None
+    return d
+
+
+def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int]]:
+    """Rank 0 resolves the run directory and the checkpoint to resume, and sends them and
+    its config to every rank (one source of truth even if the ranks' configs differ)."""
+    msg = None
+    if rank == 0:
+        try:
+            d = resolve_run_dir(cfg)
+            cfg.run.dir = str(d)
+            step = None
+            if cfg.run.resume:
+                step = checkpoint.latest_complete(d, comm.size())
+                if step is None:
+                    raise RunError(f"run.resume: no complete checkpoint for {comm.size()} ranks in {d}/checkpoints")
+            msg = {"cfg": cfg, "step": step}
+        except RunError as e:
+            msg = {"error": str(e)}
+    mine = to_dict(cfg)
+    msg = comm.broadcast_object(msg)           # all ranks reach this
+    if "error" in msg:
+        raise RunError(msg["error"])
+    theirs = to_dict(msg["cfg"])
+    diff = sorted(f"{s}.{k}" for s in theirs if isinstance(theirs[s], dict)
+                  for k in theirs[s] if mine[s][k] != theirs[s][k] and not (s == "run" and k in ("dir", "name")))
+    if rank != 0 and diff:
+        print(f"[rank {rank}] warning: config differs from rank 0's in {', '.join(diff)}; using rank 0's",
+              file=sys.stderr, flush=True)
+    return msg["cfg"], Path(msg["cfg"].run.dir), msg["step"]
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: Config) -> dict:
+    comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0)
+    if cfg.dist.threads:
+        torch.set_num_threads(cfg.dist.threads)
+    rank, world = comm.rank(), comm.size()
+    cfg, run_dir, resume_step = _start(cfg, rank)
+    P, O = cfg.parle, cfg.optim
+    dtype = getattr(torch, cfg.model.dtype)
+
+    # Data: every replica holds the whole dataset in memory (uint8) and its own window/order.
+    ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit)
+    idx = replica_indices(len(ds.train_x), rank=rank, world=world, split=cfg.data.split,
+                          frac=cfg.data.frac, seed=cfg.train.seed)
+    sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=rank)
+    nb, L = sampler.nb, P.sync_period
+    # The same on every rank: window sizes do not depend on the rank.
+    K = max(1, math.ceil(cfg.train.epochs * nb / L))
+    eval_every_steps = max(1, round(cfg.eval.every * nb / L))
+
+    # Replica: independent initialisation (seed + rank) unless asked to start from rank 0's.
+    torch.manual_seed(cfg.train.seed + rank)
+    random.seed(cfg.train.seed + rank)
+    np.random.seed((cfg.train.seed + rank) % 2**32)
+    model = build_model(cfg.model.name, num_classes=ds.num_classes, in_channels=ds.shape[0],
+                        dropout=cfg.model.dropout).to(dtype)
+    if P.init == "broadcast":
+        comm.broadcast_(list(model.state_dict().values()), name="init")   # all ranks reach this
+    ref = copy.deepcopy(model)
+    opt = Parle(model.parameters(), inner_lr=O.lr, sync_period=L, alpha=P.alpha, momentum=P.momentum,
+                nesterov=P.nesterov, weight_decay=O.weight_decay)
+    model_t, ref_t = sync_tensors(model), sync_tensors(ref)
+    ex = Exchange(world, rank, dtype)
+    aug_gen = _gen(cfg.train.seed, rank, 0xA6)
+
+    def schedule(k: int) -> tuple:                 # used on rank 0 only
+        gk, rk = scoping(k, gamma0_inv=P.gamma0_inv, gamma_min_inv=P.gamma_min_inv, rho0_inv=P.rho0_inv,
+                         rho_min_inv=P.rho_min_inv, scoping=P.scoping, nb=nb)
+        lr = lr_at((k - 1) * L / nb, lr=O.lr, schedule=O.schedule, milestones=O.milestones, decay=O.decay,
+                   total_passes=cfg.train.epochs, warmup_passes=O.warmup_passes)
+        return gk, rk, lr
+
+    log = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
+                    total=K, start_step=resume_step or 0)
+    header = {"config": to_dict(cfg), "versions": _versions(), "git_sha": _git_sha(), "world_size": world,
+              "controller": comm.controller(), "outer_steps": K, "batches_per_pass": nb,
+              "params": sum(p.numel() for p in model.parameters()), "resumed_from": resume_step}
+    if rank == 0:
+        (run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
+            json.dumps(header, indent=2))
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        log.info(f"parle_hvd: {world} replica(s) [{comm.controller()}], {K} outer steps of L={L}, "
+                 f"{nb} batches/pass, run dir {run_dir}")
+        log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
+        log.text("run", json.dumps(header, indent=2))
+
+    # State carried across outer steps (and checkpoints).
+    k0, wall_before, evals, samples, dist_prev = 0, 0.0, 0, 0, 0.0
+    last_val = (float("nan"), float("nan"))
+    if resume_step is not None:
+        st = checkpoint.load(run_dir, resume_step, rank)
+        if st.get("world") != world or st.get("params") != header["params"]:
+            raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('world')} ranks and "
+                           f"{st.get('params')} parameters, this run has {world} and {header['params']}")
+        model.load_state_dict(st["model"]); ref.load_state_dict(st["ref"]); opt.load_state_dict(st["opt"])
+        sampler.load_state_dict(st["sampler"]); aug_gen.set_state(st["aug_gen"])
+        torch.set_rng_state(st["rng_torch"]); random.setstate(st["rng_py"]); np.random.set_state(st["rng_np"])
+        comm.load_stats(st["comm"])
+        k0, sched, dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
+        wall_before, evals, samples, last_val = st["wall"], st["evals"], st["samples"], tuple(st["last_val"])
+        if rank == 0:
+            checkpoint.discard_after(run_dir, resume_step)
+            log.info(f"resumed from checkpoint step {resume_step}")
+    else:
+        # The first reference, and rank 0's schedule for step 1. All ranks reach this.
+        sched, _ = sync(model_t, ref_t, ex, schedule(1) if rank == 0 else None,
+                        {"loss": 0, "loss_max": 0, "distance": 0, "nonfinite": 0})
+        dist_prev = replica_distance(model, ref)
+
+    def save_ckpt(k: int) -> None:
+        state = {"step": k, "world": world, "params": header["params"], "model": model.state_dict(),
+                 "ref": ref.state_dict(), "opt": opt.state_dict(), "sampler": sampler.state_dict(),
+                 "aug_gen": aug_gen.get_state(), "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(),
+                 "rng_np": np.random.get_state(), "comm": comm.stats().as_dict(), "sched": list(sched),
+                 "dist_prev": dist_prev, "wall": wall_before + (time.monotonic() - t_start), "evals": evals,
+                 "samples": samples, "last_val": list(last_val), "config": to_dict(cfg)}
+        checkpoint.save(run_dir, k, rank, state, cfg.run.keep)
+
+    t_start = time.monotonic()
+    model.train()
+    for k in range(k0 + 1, K + 1):
+        t_step = time.monotonic()
+        gk, rk, lr = sched                          # rank 0's values, received at the last sync
+        opt.begin_outer()                           # y = z = x
+        losses = []
+        for _ in range(L):                          # inner loop: no communication
+            b = sampler.next()
+            xb = ds.train_x[b]
+            if cfg.data.augment:
+                xb = augment_batch(xb, aug_gen)
+            out = model(to_input(xb, ds.mean, ds.std, dtype))
+            loss = F.cross_entropy(out, ds.train_y[b])
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.inner_step(gamma_inv=gk)
+            losses.append(loss.detach())
+        opt.outer_step(ref.parameters(), rho_inv=rk, lr=lr)   # elastic pull toward the reference
+        lt = torch.stack(losses).double()
+        slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": dist_prev,
+                "nonfinite": float(not bool(torch.isfinite(lt).all()))}
+        # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
+        sched, rows = sync(model_t, ref_t, ex, schedule(k + 1) if rank == 0 else None, slot)
+        dist_prev = replica_distance(model, ref)
+        samples += world * L * cfg.train.batch_size
+
+        if rank == 0 and (k % cfg.run.log_every == 0 or k == K):
+            dt = time.monotonic() - t_step
+            cs = comm.stats()
+            log.scalars(k, {
+                "train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
+                "train/loss_max_inner": rows[:, 1].max(),
+                "parle/gamma": 1.0 / gk if gk > 0 else None, "parle/rho": 1.0 / rk if rk > 0 else None,
+                "parle/gamma_inv": gk, "parle/rho_inv": rk, "parle/lr": lr,
+                "parle/replica_distance": rows[:, 2].mean(), "parle/replica_distance_max": rows[:, 2].max(),
+                "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
+                "perf/samples_per_sec": world * L * cfg.train.batch_size / max(dt, 1e-9),
+                "train/passes": k * L / nb})
+        if bool(rows[:, 3].any()):
+            bad = [i for i in range(world) if rows[i, 3] > 0]
+            raise RunError(f"non-finite training loss on rank(s) {bad} at outer step {k}; "
+                           f"last complete checkpoint kept in {run_dir}/checkpoints")
+
+        if k % eval_every_steps == 0 or k == K:
+            recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype)
+            acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, [dist_prev])
+            evals += 1
+            last_val = (acc, vloss)
+            log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
+                            "comm/allreduce_calls": comm.stats().allreduce_calls})
+            log.info(f"step {k}/{K} pass {k * L / nb:.2f}: val acc {acc:.4f} loss {vloss:.4f}, "
+                     f"train loss {float(rows[:, 0].mean()):.4f}, gamma_inv {gk:.3g} rho_inv {rk:.3g} lr {lr:.3g}")
+            model.train()
+        log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {last_val[0]:.4f}")
+
+        if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K:
+            save_ckpt(k)
+
+    wall = wall_before + (time.monotonic() - t_start)
+    cs = comm.stats()
+    summary = {"val_accuracy": last_val[0], "val_loss": last_val[1], "wall_seconds": wall,
+               "outer_steps": K, "inner_steps": K * L, "passes": K * L / nb, "evaluations": evals,
+               "samples_seen": samples, "allreduce_calls": cs.allreduce_calls, "broadcast_calls": cs.broadcast_calls,
+               "bytes_communicated": cs.bytes, "allreduce_bytes": cs.allreduce_bytes,
+               "final_replica_distance": dist_prev, "world_size": world, "algo": cfg.algo,
+               "controller": comm.controller(), "resumed_from": resume_step, "config": to_dict(cfg)}
+    if rank == 0:
+        torch.save(ref.state_dict(), run_dir / "final.pt")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info(f"done: val accuracy {last_val[0]:.4f}, {wall:.1f} s, {cs.allreduce_calls} allreduces, "
+                 f"{cs.bytes / 1e6:.2f} MB; {run_dir}/summary.json")
+    log.close()
+    return summary

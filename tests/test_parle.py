@@ -1,0 +1,256 @@
+"""The Parle math in float64 against a hand-written loop that follows PARLE.md line by
+line, each special case of PARLE.md, and the schedules against their closed forms."""
+import math
+
+import pytest
+import torch
+
+from parle_hvd.parle import (Parle, coupling, lr_at, parle_inner_step_, parle_outer_step_, scoping,
+                             z_average_)
+
+torch.set_default_dtype(torch.float64)
+D_IN, D_OUT = 4, 3
+
+
+def loss_fn(W, b, batch):
+    X, t = batch
+    return torch.nn.functional.cross_entropy(X @ W.T + b, t)
+
+
+def grad_flat(v, batch):
+    """grad f at the flat vector v = [W.flatten(), b]."""
+    v = v.detach().clone().requires_grad_(True)
+    W, b = v[:D_IN * D_OUT].view(D_OUT, D_IN), v[D_IN * D_OUT:]
+    loss_fn(W, b, batch).backward()
+    return v.grad.detach()
+
+
+def make_batches(n, K, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[[(torch.randn(8, D_IN, generator=g), torch.randint(0, D_OUT, (8,), generator=g))
+              for _ in range(L)] for _ in range(K)] for _ in range(n)]
+
+
+def reference_loop(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s, wd, mu, alpha):
+    """PARLE.md's "One outer step k", written out on flat vectors, replicas in parallel."""
+    n = len(x0)
+    x = [v.clone() for v in x0]
+    v_in = [torch.zeros_like(v) for v in x0]
+    v_out = [torch.zeros_like(v) for v in x0]
+    for k in range(1, K + 1):
+        gk = min(g0 * (1 + s / nb) ** k, gmax)
+        rk = min(r0 * (1 + s / nb) ** k, rmax)
+        lr_k = lr_sched(k)
+        xbar = sum(x) / n
+        new = []
+        for a in range(n):
+            y = x[a].clone()
+            z = x[a].clone()
+            for l in range(L):
+                g = grad_flat(y, batches[a][k - 1][l]) + wd * y + gk * (y - x[a])
+                v_in[a] = mu * v_in[a] + g
+                g = g + mu * v_in[a]
+                y = y - lr * g
+                z = alpha * z + (1 - alpha) * y
+            d = (x[a] - z) + rk * (x[a] - xbar)
+            v_out[a] = mu * v_out[a] + d
+            d = d + mu * v_out[a]
+            new.append(x[a] - lr_k * d)
+        x = new
+    return x
+
+
+def run_parle(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s, wd, mu, alpha, nesterov=True,
+              resume=None):
+    """The library: one Parle object per replica, the allreduce simulated by a mean.
+    ``resume=(k0, [state_dict per replica])`` continues after outer step k0 from saved states."""
+    n = len(x0)
+    params = [[torch.nn.Parameter(v[:D_IN * D_OUT].view(D_OUT, D_IN).clone()),
+               torch.nn.Parameter(v[D_IN * D_OUT:].clone())] for v in x0]
+    opts = [Parle(p, inner_lr=lr, sync_period=L, alpha=alpha, momentum=mu, nesterov=nesterov,
+                  weight_decay=wd) for p in params]
+    k0 = 0
+    if resume:
+        k0, states = resume
+        for a in range(n):
+            opts[a].load_state_dict(states[a])
+            with torch.no_grad():
+                for p, x in zip(params[a], states[a]["x"]):
+                    p.copy_(x)
+    for k in range(k0 + 1, K + 1):
+        gk, rk = scoping(k, gamma0_inv=g0, gamma_min_inv=gmax, rho0_inv=r0, rho_min_inv=rmax, scoping=s, nb=nb)
+        xbar = [sum(params[a][i].detach() for a in range(n)) / n for i in range(2)]
+        for a in range(n):
+            opts[a].begin_outer()
+            for l in range(L):
+                for p in params[a]:
+                    p.grad = None
+                loss_fn(*params[a], batches[a][k - 1][l]).backward()
+                opts[a].inner_step(gamma_inv=gk)
+        for a in range(n):
+            opts[a].outer_step(xbar, rho_inv=rk, lr=lr_sched(k))
+    return [torch.cat([p[0].detach().flatten(), p[1].detach()]) for p in params], opts
+
+
+def x0s(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(D_IN * D_OUT + D_OUT, generator=g) for _ in range(n)]
+
+
+HP = dict(K=6, L=4, nb=2, lr=0.1, g0=0.5, gmax=1.0, r0=1.0, rmax=2.0, s=0.5, wd=1e-3, mu=0.9, alpha=0.75)
+
+
+def test_several_outer_steps_match_reference_loop_with_scoping_and_caps():
+    n = 3
+    lr_sched = lambda k: lr_at((k - 1) * HP["L"] / HP["nb"], lr=0.1, schedule="step", milestones=[6.0], decay=0.5)
+    b = make_batches(n, HP["K"], HP["L"])
+    # scoping really moves and both caps are reached within K steps
+    assert coupling(1, start=0.5, cap=1.0, scoping=0.5, nb=2) < 1.0
+    assert coupling(HP["K"], start=0.5, cap=1.0, scoping=0.5, nb=2) == 1.0
+    assert coupling(HP["K"], start=1.0, cap=2.0, scoping=0.5, nb=2) == 2.0
+    ref = reference_loop(x0s(n), b, lr_sched=lr_sched, **HP)
+    got, _ = run_parle(x0s(n), b, lr_sched=lr_sched, **HP)
+    for a in range(n):
+        assert torch.allclose(got[a], ref[a], rtol=0, atol=1e-12), (a, (got[a] - ref[a]).abs().max())
+    # and the replicas did move apart from where they started, and toward each other
+    assert all((g - x).abs().max() > 1e-2 for g, x in zip(got, x0s(n)))
+
+
+def test_n1_is_entropy_sgd_without_elastic_term():
+    """n = 1: xbar = x, so any rk gives the same result, equal to Entropy-SGD (no Langevin)."""
+    b = make_batches(1, 3, 5)
+    lr_sched = lambda k: 0.1
+    a, _ = run_parle(x0s(1), b, lr_sched=lr_sched, **{**HP, "K": 3, "L": 5, "r0": 5.0, "rmax": 50.0})
+    c, _ = run_parle(x0s(1), b, lr_sched=lr_sched, **{**HP, "K": 3, "L": 5, "r0": 0.0, "rmax": 0.0})
+    ref = reference_loop(x0s(1), b, lr_sched=lr_sched, **{**HP, "K": 3, "L": 5, "r0": 0.0, "rmax": 0.0})
+    assert torch.equal(a[0], c[0])
+    assert torch.allclose(a[0], ref[0], rtol=0, atol=1e-12)
+
+
+def test_L1_no_coupling_no_momentum_is_one_sgd_step():
+    """L = 1, gk = 0, alpha = 0, no momentum, lr_k = 1: x - lr_inner * (grad + wd x)."""
+    b = make_batches(1, 1, 1)
+    x0 = x0s(1)
+    got, _ = run_parle(x0, b, lr_sched=lambda k: 1.0, K=1, L=1, nb=1, lr=0.05, g0=0.0, gmax=0.0,
+                       r0=0.0, rmax=0.0, s=0.5, wd=1e-3, mu=0.0, alpha=0.0)
+    want = x0[0] - 0.05 * (grad_flat(x0[0], b[0][0][0]) + 1e-3 * x0[0])
+    assert torch.allclose(got[0], want, rtol=0, atol=1e-15)
+
+
+def test_elastic_sgd_special_case():
+    """Elastic-SGD, x -= lr*(grad + wd x + rk (x - xbar)) with xbar every step, is Parle
+    with L = 1, gk = 0, alpha = 0, no momentum, lr_k = 1 and outer coupling lr*rk."""
+    n, lr, rk, K = 3, 0.05, 2.0, 4
+    b = make_batches(n, K, 1)
+    got, _ = run_parle(x0s(n), b, lr_sched=lambda k: 1.0, K=K, L=1, nb=10**9, lr=lr, g0=0.0, gmax=0.0,
+                       r0=lr * rk, rmax=lr * rk, s=0.0, wd=1e-3, mu=0.0, alpha=0.0)
+    x = x0s(n)
+    for k in range(K):
+        xbar = sum(x) / n
+        x = [x[a] - lr * (grad_flat(x[a], b[a][k][0]) + 1e-3 * x[a] + rk * (x[a] - xbar)) for a in range(n)]
+    for a in range(n):
+        assert torch.allclose(got[a], x[a], rtol=0, atol=1e-14)
+
+
+def test_reference_follows_data_parallel_sgd():
+    """Data-parallel SGD: with identical replicas, L = 1, gk = 0, alpha = 0, no momentum,
+    lr_k = 1 and rk = 1, every replica becomes xbar - lr*g_a, so the reference takes
+    exactly the data-parallel step xbar - lr * mean_a(g_a)."""
+    n, lr, K = 3, 0.1, 4
+    b = make_batches(n, K + 1, 1)
+    start = x0s(1)[0]
+    got, _ = run_parle([start.clone() for _ in range(n)], b, lr_sched=lambda k: 1.0, K=K, L=1, nb=10**9,
+                       lr=lr, g0=0.0, gmax=0.0, r0=1.0, rmax=1.0, s=0.0, wd=0.0, mu=0.0, alpha=0.0)
+    # Each replica computes its gradient at the point it holds, xbar - lr*g_a of the previous
+    # step; the reference moves by exactly the averaged-gradient step at every step.
+    x = [start.clone() for _ in range(n)]
+    for k in range(K):
+        xbar = sum(x) / n
+        g = [grad_flat(x[a], b[a][k][0]) for a in range(n)]
+        x = [xbar - lr * g[a] for a in range(n)]
+        assert torch.allclose(sum(x) / n, xbar - lr * sum(g) / n, rtol=0, atol=1e-15)
+    for a in range(n):
+        assert torch.allclose(got[a], x[a], rtol=0, atol=1e-14)
+
+
+def test_functions_in_place_and_keyword_only():
+    y, x, v = [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)]
+    with pytest.raises(TypeError):
+        parle_inner_step_(y, [torch.ones(3)], x, v, 0.1)  # hyper-parameters are keyword-only
+    parle_inner_step_(y, [torch.ones(3)], x, v, lr=0.1, gamma_inv=1.0, weight_decay=0.0, momentum=0.0,
+                      nesterov=True)
+    assert torch.allclose(y[0], torch.full((3,), 1 - 0.1 * (1 + 1)))
+    z = [torch.zeros(3)]
+    z_average_(z, [torch.ones(3)], alpha=0.75)
+    assert torch.allclose(z[0], torch.full((3,), 0.25))
+    xs, vo = [torch.ones(3)], [torch.zeros(3)]
+    parle_outer_step_(xs, [torch.zeros(3)], [torch.zeros(3)], vo, lr=0.5, rho_inv=2.0, momentum=0.9, nesterov=True)
+    # d = 1 + 2*1 = 3; v = 3; d = 3 + 0.9*3 = 5.7; x = 1 - 0.5*5.7
+    assert torch.allclose(xs[0], torch.full((3,), 1 - 0.5 * 5.7)) and torch.allclose(vo[0], torch.full((3,), 3.0))
+
+
+def test_grad_none_gets_only_decay_and_coupling():
+    y, x, v = [torch.ones(2)], [torch.zeros(2)], [torch.zeros(2)]
+    parle_inner_step_(y, [None], x, v, lr=0.1, gamma_inv=0.5, weight_decay=0.1, momentum=0.0, nesterov=True)
+    assert torch.allclose(y[0], torch.full((2,), 1 - 0.1 * (0.1 + 0.5)))
+
+
+def test_heavy_ball_variant():
+    y, x, v = [torch.ones(1)], [torch.ones(1)], [torch.full((1,), 2.0)]
+    parle_inner_step_(y, [torch.ones(1)], x, v, lr=0.1, gamma_inv=0.0, weight_decay=0.0, momentum=0.5, nesterov=False)
+    assert torch.allclose(v[0], torch.tensor([2.0])) and torch.allclose(y[0], torch.tensor([1 - 0.2]))
+
+
+@pytest.mark.parametrize("start,cap,s,nb", [(0.01, 1.0, 0.5, 468), (1.0, 10.0, 0.5, 100), (0.3, 0.3, 0.5, 7),
+                                            (0.0, 1.0, 0.5, 10)])
+def test_coupling_closed_form_and_cap(start, cap, s, nb):
+    for k in [0, 1, 2, 10, 100, 1000, 10000, 10**6]:
+        want = min(start * (1 + s / nb) ** k, cap) if k < 10**5 else cap if start > 0 else 0.0
+        assert coupling(k, start=start, cap=cap, scoping=s, nb=nb) == pytest.approx(want, rel=1e-12, abs=0)
+    # monotone, and reaches the cap when start > 0
+    vals = [coupling(k, start=start, cap=cap, scoping=s, nb=nb) for k in range(0, 50000, 97)]
+    assert vals == sorted(vals)
+    if start > 0:
+        assert vals[-1] == cap
+
+
+def test_scoping_pair_and_default_caps():
+    gk, rk = scoping(10**7, gamma0_inv=0.01, gamma_min_inv=1.0, rho0_inv=1.0, rho_min_inv=10.0, scoping=0.5, nb=468)
+    assert (gk, rk) == (1.0, 10.0)
+    gk, rk = scoping(3, gamma0_inv=0.01, gamma_min_inv=1.0, rho0_inv=1.0, rho_min_inv=10.0, scoping=0.5, nb=468)
+    assert gk == pytest.approx(0.01 * (1 + 0.5 / 468) ** 3, rel=1e-13)
+    assert rk == pytest.approx((1 + 0.5 / 468) ** 3, rel=1e-13)
+
+
+def test_lr_schedules_closed_form():
+    assert lr_at(3.0, lr=0.1, schedule="constant") == 0.1
+    ms = [2.0, 4.0]
+    assert lr_at(1.99, lr=0.1, schedule="step", milestones=ms, decay=0.2) == 0.1
+    assert lr_at(2.0, lr=0.1, schedule="step", milestones=ms, decay=0.2) == pytest.approx(0.02)
+    assert lr_at(5.0, lr=0.1, schedule="step", milestones=ms, decay=0.2) == pytest.approx(0.004)
+    for p in [0.0, 0.25, 1.0, 2.0]:
+        assert lr_at(p, lr=0.1, schedule="cosine", total_passes=2.0) == pytest.approx(0.05 * (1 + math.cos(math.pi * p / 2)))
+    assert lr_at(0.5, lr=0.1, schedule="constant", warmup_passes=2.0) == pytest.approx(0.025)
+    with pytest.raises(ValueError):
+        lr_at(1.0, lr=0.1, schedule="linear")
+
+
+def test_state_dict_roundtrip_continues_identically():
+    """Stop after 2 outer steps, restore x, z and both momentum buffers into fresh objects,
+    run 2 more: bit-identical to 4 uninterrupted steps. Zeroed buffers would differ."""
+    n = 2
+    b = make_batches(n, 4, 3)
+    hp = {**HP, "K": 4, "L": 3}
+    lr_sched = lambda k: 0.1
+    full, _ = run_parle(x0s(n), b, lr_sched=lr_sched, **hp)
+    _, opts = run_parle(x0s(n), b, lr_sched=lr_sched, **{**hp, "K": 2})
+    states = [o.state_dict() for o in opts]
+    assert set(states[0]) >= {"x", "z", "v_in", "v_out"} and states[0]["v_out"][0].abs().sum() > 0
+    resumed, _ = run_parle(x0s(n), b, lr_sched=lr_sched, resume=(2, states), **hp)
+    for a in range(n):
+        assert torch.equal(resumed[a], full[a])
+    zeroed = [{**st, "v_in": [torch.zeros_like(t) for t in st["v_in"]]} for st in states]
+    other, _ = run_parle(x0s(n), b, lr_sched=lr_sched, resume=(2, zeroed), **hp)
+    assert not torch.equal(other[0], full[0])
+    with pytest.raises(ValueError):
+        opts[0].load_state_dict({**states[0], "x": states[0]["x"][:1]})
