@@ -19,7 +19,7 @@
 #   VENV=.venv  PYTHON=python3  TORCH_SPEC="torch==2.13.0"  TORCH_INDEX_URL=
 #   PARLE_HVD_CUDA=0|1   (1: build Horovod with NCCL; needs nvcc and a CUDA torch)
 #   PARLE_HVD_SKIP_APT=1 (never touch apt)   PARLE_HVD_CACHE=~/.cache/parle_hvd
-#   PARLE_HVD_NO_VENV=1  (install into the current interpreter; used by the Dockerfile)
+#   PARLE_HVD_NO_VENV=1  (install into the current interpreter, e.g. a conda env)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -71,7 +71,8 @@ else
         say "creating venv $VENV"
         "$PYTHON" -m venv "$VENV"
     fi
-    py=$here/$VENV/bin/python
+    [[ $VENV == /* ]] || VENV=$here/$VENV
+    py=$VENV/bin/python
 fi
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
@@ -100,7 +101,14 @@ import sys
 sys.exit(0 if (hvd.mpi_built() and hvd.gloo_built()) else 1)
 PY
 }
-want_nccl=0; [[ $PARLE_HVD_CUDA == 1 ]] && want_nccl=1
+want_nccl=0
+if [[ $PARLE_HVD_CUDA == 1 ]]; then
+    want_nccl=1
+    command -v nvcc >/dev/null || [[ -x ${HOROVOD_CUDA_HOME:-/usr/local/cuda}/bin/nvcc ]] \
+        || die "PARLE_HVD_CUDA=1 needs the CUDA toolkit (nvcc) for Horovod's NCCL build"
+    "$py" -c "import torch,sys; sys.exit(torch.version.cuda is None)" \
+        || die "PARLE_HVD_CUDA=1 needs a CUDA build of torch: set TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cu126)"
+fi
 key="horovod-${HOROVOD_VERSION}-torch-${torch_ver//+/_}-py${py_ver}-nccl${want_nccl}"
 wheel_dir=$CACHE/$key
 if hvd_ok && "$py" -c "import horovod,sys; sys.exit(horovod.__version__!='$HOROVOD_VERSION')"; then

@@ -1,0 +1,98 @@
+"""Configuration: YAML + overrides, rejection with the key named, --help, and the CLI's
+one-line exit-2 errors for bad input."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parle_hvd.config import Config, ConfigError, help_text, make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_yaml_and_overrides():
+    c = make_config(ROOT / "configs/fashion_parle.yaml", ["parle.sync_period=50", "train.epochs=3",
+                                                           "optim.milestones=[1, 2.5]", "run.tensorboard=false"])
+    assert c.parle.sync_period == 50 and c.train.epochs == 3.0 and c.optim.milestones == [1.0, 2.5]
+    assert c.run.tensorboard is False and c.run.name == "fashion_parle"
+    assert c.data.name == "fashion-mnist"
+    assert isinstance(make_config(None), Config)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("parle.sync_perod=3", "parle.sync_perod: unknown key"),
+    ("nosuch.key=1", "nosuch: unknown key"),
+    ("parle.sync_period=abc", "parle.sync_period: expected an integer"),
+    ("parle.sync_period=2.5", "parle.sync_period: expected an integer"),
+    ("train.epochs=true", "train.epochs: expected a number"),
+    ("run.resume=maybe", "run.resume: expected true or false"),
+    ("optim.milestones=3", "optim.milestones: expected a list"),
+    ("parle.sync_period=0", "parle.sync_period: must be >= 1"),
+    ("optim.lr=-0.1", "optim.lr: must be > 0"),
+    ("data.frac=0", "data.frac: must be in (0, 1]"),
+    ("data.frac=1.5", "data.frac: must be in (0, 1]"),
+    ("algo=sgdx", "algo: must be one of"),
+    ("data.name=imagenet", "data.name: must be one of"),
+    ("parle=3", "parle: expected a mapping"),
+    ("run.keep=1", "run.keep: must be >= 2"),
+    ("noequals", "overrides are key.sub=value"),
+])
+def test_bad_values_name_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        make_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_help_lists_every_key_with_default_and_meaning():
+    h = help_text()
+    import dataclasses
+    import typing
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from keys(tp, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", f
+    for key, f in keys(Config):
+        line = next((l for l in h.splitlines() if l.split()[0] == key), None)
+        assert line is not None, key
+        assert "default" in line and f.metadata["help"] in line
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+
+
+def test_cli_help():
+    r = _cli("--help")
+    assert r.returncode == 0 and "parle.sync_period" in r.stdout and "horovodrun" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["parle.sync_period=0"], "parle.sync_period"),
+    (["--config", "configs/nope.yaml"], "no such file"),
+    (["data.dir=/nonexistent/fm", "dist.backend=none"], "/nonexistent/fm does not exist"),
+    (["bogus.key=1"], "bogus: unknown key"),
+    (["run.dir=/proc/forbidden", "dist.backend=none"], "run.dir: cannot write"),
+    (["run.resume=true", "run.dir=EMPTY", "dist.backend=none"], "no complete checkpoint"),
+    (["train.batch_size=5000", "data.train_limit=1000", "dist.backend=none"], "larger than a replica's data"),
+])
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, needle):
+    args = [a.replace("EMPTY", str(tmp_path)) for a in args]
+    r = _cli("--config", "configs/fashion_parle.yaml", *args) if "--config" not in args else _cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+
+
+def test_cli_yaml_syntax_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("parle:\n  sync_period: [1, 2\n")
+    r = _cli("--config", str(bad))
+    assert r.returncode == 2 and "YAML syntax error" in r.stderr and "line" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
