@@ -74,7 +74,8 @@ else
     [[ $VENV == /* ]] || VENV=$here/$VENV
     py=$VENV/bin/python
 fi
-pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
+# (the grep drops pip's notes about find-links/index locations absent on this machine)
+pip() { "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 pip install --upgrade "pip>=23" "setuptools<81" wheel >/dev/null  # horovodrun imports distutils/pkg_resources
 # torch first, alone: every later install sees it satisfied and never pulls a CUDA build.

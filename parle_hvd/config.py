@@ -149,6 +149,8 @@ class DistConfig:
     backend: str = _f("auto", "auto: Horovod when started by horovodrun/mpirun/srun; none: one process",
                       ["auto", "horovod", "none"])
     threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
+    device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
+                     ["auto", "cpu", "cuda"])
 
     def __post_init__(self):
         _check(self.threads >= 0, "dist.threads", "must be >= 0")

@@ -195,8 +195,8 @@ class ReplicaSampler:
 def to_input(x_u8: torch.Tensor, mean, std, dtype=torch.float32) -> torch.Tensor:
     """uint8 [B,C,H,W] -> normalised float, on the whole batch at once."""
     x = x_u8.to(dtype).div_(255.0)
-    m = torch.tensor(mean, dtype=dtype).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=dtype).view(1, -1, 1, 1)
+    m = torch.tensor(mean, dtype=dtype, device=x.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=dtype, device=x.device).view(1, -1, 1, 1)
     return x.sub_(m).div_(s)
 
 

@@ -103,7 +103,8 @@ def replica_distance(model: nn.Module, ref: nn.Module) -> float:
 
 # --------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype) -> None:
+def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype,
+                 dev: torch.device) -> None:
     """Re-estimate the reference's BatchNorm statistics on ``batches`` training batches.
     Every rank uses the same batches (a shuffle seeded by seed and step), so the ranks'
     references stay identical without a collective."""
@@ -121,14 +122,14 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
     perm = torch.randperm(len(ds.train_x), generator=_gen(seed, 0xB4, step))
     for i in range(min(batches, len(perm) // batch_size or 1)):
         idx = perm[i * batch_size:(i + 1) * batch_size]
-        ref(to_input(ds.train_x[idx], ds.mean, ds.std, dtype))
+        ref(to_input(ds.train_x[idx].to(dev), ds.mean, ds.std, dtype))
     for m, mom in saved:
         m.momentum = mom
     ref.eval()
 
 
 @torch.no_grad()
-def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, extra: list):
+def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list):
     """Test loss and accuracy of the reference, the test set sharded across ranks and the
     sums allreduced in float64 together with ``extra`` slot rows. All ranks reach this."""
     ref.eval()
@@ -136,8 +137,8 @@ def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, 
     lo, hi = (rank * n) // world, ((rank + 1) * n) // world
     correct = loss = 0.0
     for i in range(lo, hi, batch_size):
-        x = to_input(ds.test_x[i:min(i + batch_size, hi)], ds.mean, ds.std, dtype)
-        y = ds.test_y[i:min(i + batch_size, hi)]
+        x = to_input(ds.test_x[i:min(i + batch_size, hi)].to(dev), ds.mean, ds.std, dtype)
+        y = ds.test_y[i:min(i + batch_size, hi)].to(dev)
         out = ref(x)
         loss += float(F.cross_entropy(out, y, reduction="sum"))
         correct += float((out.argmax(1) == y).sum())
@@ -221,6 +222,20 @@ def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int]]:
     return msg["cfg"], Path(msg["cfg"].run.dir), msg["step"]
 
 
+def pick_device(want: str) -> torch.device:
+    """One GPU per rank (its local rank), or the CPU."""
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RunError("dist.device: cuda requested but torch.cuda.is_available() is False")
+    n = torch.cuda.device_count()
+    if comm.local_size() > n:
+        raise RunError(f"dist.device: {comm.local_size()} ranks on this host but {n} GPU(s); "
+                       f"start one rank per GPU")
+    torch.cuda.set_device(comm.local_rank())
+    return torch.device("cuda", comm.local_rank())
+
+
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config) -> dict:
     comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0)
@@ -230,6 +245,7 @@ def train(cfg: Config) -> dict:
     cfg, run_dir, resume_step = _start(cfg, rank)
     P, O = cfg.parle, cfg.optim
     dtype = getattr(torch, cfg.model.dtype)
+    dev = pick_device(cfg.dist.device)
 
     # Data: every replica holds the whole dataset in memory (uint8) and its own window/order.
     ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit)
@@ -246,7 +262,7 @@ def train(cfg: Config) -> dict:
     random.seed(cfg.train.seed + rank)
     np.random.seed((cfg.train.seed + rank) % 2**32)
     model = build_model(cfg.model.name, num_classes=ds.num_classes, in_channels=ds.shape[0],
-                        dropout=cfg.model.dropout).to(dtype)
+                        dropout=cfg.model.dropout).to(device=dev, dtype=dtype)
     if P.init == "broadcast":
         comm.broadcast_(list(model.state_dict().values()), name="init")   # all ranks reach this
     ref = copy.deepcopy(model)
@@ -266,6 +282,7 @@ def train(cfg: Config) -> dict:
     log = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
                     total=K, start_step=resume_step or 0)
     header = {"config": to_dict(cfg), "versions": _versions(), "git_sha": _git_sha(), "world_size": world,
+              "device": str(dev),
               "controller": comm.controller(), "outer_steps": K, "batches_per_pass": nb,
               "params": sum(p.numel() for p in model.parameters()), "resumed_from": resume_step}
     if rank == 0:
@@ -280,6 +297,7 @@ def train(cfg: Config) -> dict:
     # State carried across outer steps (and checkpoints).
     k0, wall_before, evals, samples, dist_prev = 0, 0.0, 0, 0, 0.0
     last_val = (float("nan"), float("nan"))
+    spread = (float("nan"), float("nan"))
     if resume_step is not None:
         st = checkpoint.load(run_dir, resume_step, rank)
         if st.get("world") != world or st.get("params") != header["params"]:
@@ -288,6 +306,8 @@ def train(cfg: Config) -> dict:
         model.load_state_dict(st["model"]); ref.load_state_dict(st["ref"]); opt.load_state_dict(st["opt"])
         sampler.load_state_dict(st["sampler"]); aug_gen.set_state(st["aug_gen"])
         torch.set_rng_state(st["rng_torch"]); random.setstate(st["rng_py"]); np.random.set_state(st["rng_np"])
+        if dev.type == "cuda" and st.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(st["rng_cuda"])
         comm.load_stats(st["comm"])
         k0, sched, dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
         wall_before, evals, samples, last_val = st["wall"], st["evals"], st["samples"], tuple(st["last_val"])
@@ -304,7 +324,8 @@ def train(cfg: Config) -> dict:
         state = {"step": k, "world": world, "params": header["params"], "model": model.state_dict(),
                  "ref": ref.state_dict(), "opt": opt.state_dict(), "sampler": sampler.state_dict(),
                  "aug_gen": aug_gen.get_state(), "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(),
-                 "rng_np": np.random.get_state(), "comm": comm.stats().as_dict(), "sched": list(sched),
+                 "rng_np": np.random.get_state(),
+                 "rng_cuda": torch.cuda.get_rng_state() if dev.type == "cuda" else None, "comm": comm.stats().as_dict(), "sched": list(sched),
                  "dist_prev": dist_prev, "wall": wall_before + (time.monotonic() - t_start), "evals": evals,
                  "samples": samples, "last_val": list(last_val), "config": to_dict(cfg)}
         checkpoint.save(run_dir, k, rank, state, cfg.run.keep)
@@ -321,8 +342,8 @@ def train(cfg: Config) -> dict:
             xb = ds.train_x[b]
             if cfg.data.augment:
                 xb = augment_batch(xb, aug_gen)
-            out = model(to_input(xb, ds.mean, ds.std, dtype))
-            loss = F.cross_entropy(out, ds.train_y[b])
+            out = model(to_input(xb.to(dev, non_blocking=True), ds.mean, ds.std, dtype))
+            loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
             model.zero_grad(set_to_none=True)
             loss.backward()
             opt.inner_step(gamma_inv=gk)
@@ -354,8 +375,9 @@ def train(cfg: Config) -> dict:
                            f"last complete checkpoint kept in {run_dir}/checkpoints")
 
         if k % eval_every_steps == 0 or k == K:
-            recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype)
-            acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, [dist_prev])
+            recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
+            acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev, [dist_prev])
+            spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
             evals += 1
             last_val = (acc, vloss)
             log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
@@ -374,7 +396,7 @@ def train(cfg: Config) -> dict:
                "outer_steps": K, "inner_steps": K * L, "passes": K * L / nb, "evaluations": evals,
                "samples_seen": samples, "allreduce_calls": cs.allreduce_calls, "broadcast_calls": cs.broadcast_calls,
                "bytes_communicated": cs.bytes, "allreduce_bytes": cs.allreduce_bytes,
-               "final_replica_distance": dist_prev, "world_size": world, "algo": cfg.algo,
+               "final_replica_distance": spread[0], "final_replica_distance_max": spread[1], "world_size": world, "algo": cfg.algo,
                "controller": comm.controller(), "resumed_from": resume_step, "config": to_dict(cfg)}
     if rank == 0:
         torch.save(ref.state_dict(), run_dir / "final.pt")

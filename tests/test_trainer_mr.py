@@ -34,10 +34,11 @@ def test_sync_exchange_mechanism():
         assert res[0][dtype]["sched"] == res[1][dtype]["sched"]            # bit-identical everywhere
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_two_ranks_identical_reference_schedule_from_rank0_and_exact_counts(tmp_path, controller):
+@pytest.mark.parametrize("controller,init", [("gloo", "independent"), ("mpi", "broadcast")])
+def test_two_ranks_identical_reference_schedule_from_rank0_and_exact_counts(tmp_path, controller, init):
     run = tmp_path / "run"
     over = SMALL + [f"run.dir={run}", "train.epochs=1", "run.ckpt_every=1", "run.keep=1000", "eval.every=0.5",
+                    f"parle.init={init}",
                     "parle.gamma0_inv=0.2", "parle.rho0_inv=1.0", "parle.scoping=0.5"]
     out = run_ranks(TRAIN, controller=controller, args=["--config", "configs/fashion_parle.yaml", *over],
                     timeout=240, reports=False,
@@ -65,7 +66,13 @@ def test_two_ranks_identical_reference_schedule_from_rank0_and_exact_counts(tmp_
         assert a["sched"][:2] == pytest.approx([gk, rk], rel=1e-12) and a["sched"][2] == pytest.approx(0.1)
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["comm/allreduce_calls"] == s["allreduce_calls"]
-    assert all(l["parle/replica_distance"] > 0 for l in lines if "parle/replica_distance" in l)
+    dist = [l["parle/replica_distance"] for l in lines if "parle/replica_distance" in l]
+    # distance at the start of step 1: independent inits differ, broadcast ones coincide
+    if init == "independent":
+        assert dist[0] > 1.0
+    else:
+        assert dist[0] == 0.0
+    assert all(d > 0 for d in dist[1:])       # own data order: the replicas drift apart
 
 
 def _final(run):
