@@ -36,8 +36,11 @@ def _check(cond: bool, key: str, msg: str):
 
 @dataclass
 class DataConfig:
-    name: str = _f("fashion-mnist", "dataset", ["fashion-mnist", "mnist"])
+    name: str = _f("fashion-mnist", "dataset", ["fashion-mnist", "mnist", "cifar10", "cifar100", "svhn", "folder"])
     dir: str = _f("", "directory with the dataset files ('' = the dataset's default location)")
+    test_frac: float = _f(0.1, "folder without train/ and test/: fraction of each class held out for test")
+    image_size: int = _f(0, "folder: resize images to this square size (0 = the first image's size)")
+    svhn_extra: bool = _f(False, "svhn: add extra_32x32.mat to the training set")
     split: str = _f("full", "full: every replica sees all data; frac: replica i sees a window of "
                     "data.frac of it starting at i/n (PARLE.md)", ["full", "frac"])
     frac: float = _f(1.0, "fraction of the training data each replica sees when split=frac, in (0, 1]")
@@ -49,27 +52,32 @@ class DataConfig:
         _check(0.0 < self.frac <= 1.0, "data.frac", f"must be in (0, 1], got {self.frac}")
         _check(self.train_limit >= 0, "data.train_limit", "must be >= 0")
         _check(self.test_limit >= 0, "data.test_limit", "must be >= 0")
+        _check(0.0 < self.test_frac < 1.0, "data.test_frac", f"must be in (0, 1), got {self.test_frac}")
+        _check(self.image_size >= 0, "data.image_size", "must be >= 0")
 
 
 @dataclass
 class ModelConfig:
-    name: str = _f("lenet", "network", ["lenet"])
-    dropout: float = _f(0.25, "dropout probability (LeNet: after each block, as in the authors' code)")
+    name: str = _f("lenet", "network", ["lenet", "allcnn", "wrn", "resnet18"])
+    dropout: float = _f(-1.0, "dropout probability (-1 = the model's default: LeNet 0.25, All-CNN-C 0.5, WRN 0, ResNet-18 0)")
+    depth: int = _f(28, "WRN depth d (6n+4)")
+    width: int = _f(10, "WRN widening factor k")
     dtype: str = _f("float32", "parameter dtype", ["float32", "float64"])
 
     def __post_init__(self):
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(self.dropout == -1.0 or 0.0 <= self.dropout < 1.0, "model.dropout",
+               f"must be in [0, 1) (or -1 for the model's default), got {self.dropout}")
+        _check(self.depth >= 10 and (self.depth - 4) % 6 == 0, "model.depth", f"must be 6n+4 >= 10, got {self.depth}")
+        _check(self.width >= 1, "model.width", "must be >= 1")
 
 
 @dataclass
 class ParleConfig:
     sync_period: int = _f(25, "L: inner steps between two allreduces (one outer step)")
     alpha: float = _f(0.75, "z average: z = alpha*z + (1-alpha)*y")
-    momentum: float = _f(0.9, "mu, for both the inner and the outer momentum")
-    nesterov: bool = _f(True, "Nesterov momentum (else heavy ball)")
     gamma0_inv: float = _f(0.01, "1/gamma0: initial inner (local-entropy) coupling")
     gamma_min_inv: float = _f(1.0, "1/gamma_min: cap of the inner coupling")
-    rho0_inv: float = _f(1.0, "1/rho0: initial elastic coupling toward the reference")
+    rho0_inv: float = _f(1.0, "1/rho0: initial elastic coupling toward the reference (parle and elastic)")
     rho_min_inv: float = _f(10.0, "1/rho_min: cap of the elastic coupling")
     scoping: float = _f(0.5, "s: couplings grow by (1 + s/nb) per outer step")
     init: str = _f("independent", "replica initialisation: independent (seed + rank) or "
@@ -78,7 +86,6 @@ class ParleConfig:
     def __post_init__(self):
         _check(self.sync_period >= 1, "parle.sync_period", f"must be >= 1, got {self.sync_period}")
         _check(0.0 <= self.alpha < 1.0, "parle.alpha", f"must be in [0, 1), got {self.alpha}")
-        _check(0.0 <= self.momentum < 1.0, "parle.momentum", f"must be in [0, 1), got {self.momentum}")
         for k in ("gamma0_inv", "gamma_min_inv", "rho0_inv", "rho_min_inv", "scoping"):
             _check(getattr(self, k) >= 0.0, f"parle.{k}", f"must be >= 0, got {getattr(self, k)}")
         _check(self.gamma_min_inv >= self.gamma0_inv, "parle.gamma_min_inv", "must be >= parle.gamma0_inv")
@@ -87,7 +94,9 @@ class ParleConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(0.1, "initial learning rate: the inner lr (held fixed) and the start of the outer schedule")
+    lr: float = _f(0.1, "initial learning rate (parle: the inner lr, held fixed, and the start of the outer schedule)")
+    momentum: float = _f(0.9, "mu: momentum of every SGD-type step (parle: inner and outer)")
+    nesterov: bool = _f(True, "Nesterov momentum (else heavy ball)")
     schedule: str = _f("step", "outer learning-rate schedule", ["constant", "step", "cosine"])
     milestones: List[float] = _f([], "step schedule: passes over the data at which lr *= decay")
     decay: float = _f(0.2, "step schedule: factor at each milestone")
@@ -96,6 +105,7 @@ class OptimConfig:
 
     def __post_init__(self):
         _check(self.lr > 0.0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0.0 <= self.momentum < 1.0, "optim.momentum", f"must be in [0, 1), got {self.momentum}")
         _check(0.0 < self.decay <= 1.0, "optim.decay", f"must be in (0, 1], got {self.decay}")
         _check(self.weight_decay >= 0.0, "optim.weight_decay", "must be >= 0")
         _check(self.warmup_passes >= 0.0, "optim.warmup_passes", "must be >= 0")
@@ -103,13 +113,62 @@ class OptimConfig:
 
 
 @dataclass
+class ElasticConfig:
+    sync_period: int = _f(1, "tau: steps between two references (Elastic-SGD averages every step by default)")
+
+    def __post_init__(self):
+        _check(self.sync_period >= 1, "elastic.sync_period", f"must be >= 1, got {self.sync_period}")
+
+
+@dataclass
+class EntropyConfig:
+    noise: float = _f(0.0, "Langevin noise: y += sqrt(lr) * noise * N(0, I) after each inner step (0 = off)")
+
+    def __post_init__(self):
+        _check(self.noise >= 0.0, "entropy.noise", "must be >= 0")
+
+
+@dataclass
+class LocalSGDConfig:
+    sync_period: int = _f(25, "steps between two averagings of the replicas")
+
+    def __post_init__(self):
+        _check(self.sync_period >= 1, "localsgd.sync_period", f"must be >= 1, got {self.sync_period}")
+
+
+@dataclass
+class DiLoCoConfig:
+    sync_period: int = _f(25, "H: inner steps per round")
+    inner: str = _f("sgd", "inner optimizer: sgd (Nesterov, optim.*) or adamw", ["sgd", "adamw"])
+    inner_lr: float = _f(0.0, "inner learning rate (0 = optim.lr)")
+    outer_lr: float = _f(0.7, "outer Nesterov SGD learning rate (DiLoCo default 0.7)")
+    outer_momentum: float = _f(0.9, "outer Nesterov momentum (DiLoCo default 0.9)")
+
+    def __post_init__(self):
+        _check(self.sync_period >= 1, "diloco.sync_period", f"must be >= 1, got {self.sync_period}")
+        _check(self.inner_lr >= 0.0, "diloco.inner_lr", "must be >= 0")
+        _check(self.outer_lr > 0.0, "diloco.outer_lr", "must be > 0")
+        _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
+
+
+@dataclass
+class DPSGDConfig:
+    fp16: bool = _f(False, "compress gradients to float16 on the wire (hvd.Compression.fp16)")
+    lr_scale: str = _f("none", "scale optim.lr with the world size n: none, linear (lr*n) or sqrt (lr*sqrt(n))",
+                       ["none", "linear", "sqrt"])
+
+
+@dataclass
 class TrainConfig:
     epochs: float = _f(10.0, "passes over each replica's data (not the authors' 'epochs', PARLE.md)")
     batch_size: int = _f(128, "mini-batch per replica")
     seed: int = _f(42, "base seed; replica a uses seed + a for its weights and data order")
+    block: int = _f(25, "sgd, dpsgd: optimizer steps per outer step (the unit of logging, evaluation "
+                    "and checkpoints; these algorithms have no sync of their own)")
 
     def __post_init__(self):
         _check(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
+        _check(self.block >= 1, "train.block", "must be >= 1")
         _check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}")
 
 
@@ -134,7 +193,7 @@ class RunConfig:
                       "('' dir: the newest runs/<name>-* with one)")
     ckpt_every: int = _f(50, "checkpoint every this many outer steps (and at the end); 0 = only at the end")
     keep: int = _f(2, "checkpoints kept per rank (>= 2, so a complete one always survives)")
-    log_every: int = _f(1, "log scalars every this many outer steps")
+    log_every: int = _f(25, "log scalars every this many inner steps (rounded up to whole outer steps)")
     tensorboard: bool = _f(True, "write TensorBoard event files")
     progress: str = _f("auto", "progress bar on rank 0: auto (when a terminal), bar, lines", ["auto", "bar", "lines"])
 
@@ -158,11 +217,17 @@ class DistConfig:
 
 @dataclass
 class Config:
-    algo: str = _f("parle", "training algorithm", ["parle"])
+    algo: str = _f("parle", "training algorithm (docs/algorithms.md)",
+                   ["parle", "sgd", "dpsgd", "elastic", "entropy", "localsgd", "diloco"])
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parle: ParleConfig = field(default_factory=ParleConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    entropy: EntropyConfig = field(default_factory=EntropyConfig)
+    localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    dpsgd: DPSGDConfig = field(default_factory=DPSGDConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -119,14 +119,187 @@ def load_idx_dataset(name: str, directory: str = "") -> Dataset:
                    10, mean, std)
 
 
-LOADERS = {"fashion-mnist": lambda d: load_idx_dataset("fashion-mnist", d),
-           "mnist": lambda d: load_idx_dataset("mnist", d)}
+# --------------------------------------------------------------------------- CIFAR python pickles
+_CIFAR = {
+    "cifar10": dict(sub="cifar-10-batches-py", train=[f"data_batch_{i}" for i in range(1, 6)], test=["test_batch"],
+                    labels=b"labels", classes=10, url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+                    stats=((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))),
+    "cifar100": dict(sub="cifar-100-python", train=["train"], test=["test"], labels=b"fine_labels", classes=100,
+                     url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+                     stats=((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))),
+}
 
 
-def load_dataset(name: str, directory: str = "", train_limit: int = 0, test_limit: int = 0) -> Dataset:
+def _unpickle(path: Path) -> dict:
+    import pickle
+    try:
+        with open(path, "rb") as f:
+            d = pickle.load(f, encoding="bytes")
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise DataError(f"{path}: truncated or corrupt CIFAR pickle ({e.__class__.__name__})") from None
+    if not isinstance(d, dict):
+        raise DataError(f"{path}: not a CIFAR batch (expected a dict)")
+    return d
+
+
+def load_cifar(name: str, directory: str) -> Dataset:
+    spec = _CIFAR[name]
+    base = Path(directory or f"data/{spec['sub']}")
+    d = base / spec["sub"] if (base / spec["sub"]).is_dir() else base
+    expected = ", ".join(spec["train"] + spec["test"])
+    if not d.is_dir():
+        raise DataError(f"{name}: directory {base} does not exist; expected {expected} "
+                        f"(the python version: {spec['url']}, extracted; or set data.dir)")
+    missing = [f for f in spec["train"] + spec["test"] if not (d / f).is_file()]
+    if missing:
+        raise DataError(f"{name}: {d} lacks {', '.join(missing)} (get {spec['url']} and extract it there)")
+
+    def read(files):
+        xs, ys = [], []
+        for f in files:
+            b = _unpickle(d / f)
+            if b"data" not in b or spec["labels"] not in b:
+                raise DataError(f"{d / f}: not a {name} batch (no data/{spec['labels'].decode()} keys)")
+            x = np.asarray(b[b"data"], dtype=np.uint8)
+            y = np.asarray(b[spec["labels"]], dtype=np.int64)
+            if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
+                raise DataError(f"{d / f}: corrupt {name} batch (data {x.shape}, {len(y)} labels)")
+            if len(y) and (y.min() < 0 or y.max() >= spec["classes"]):
+                raise DataError(f"{d / f}: label {int(y.max())} out of range for {name}")
+            xs.append(x.reshape(-1, 3, 32, 32))
+            ys.append(y)
+        return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+
+    xtr, ytr = read(spec["train"])
+    xte, yte = read(spec["test"])
+    return Dataset(name, xtr, ytr, xte, yte, spec["classes"], *spec["stats"])
+
+
+# --------------------------------------------------------------------------- SVHN .mat
+def load_svhn(directory: str, extra: bool = False) -> Dataset:
+    import scipy.io
+    d = Path(directory or "data/svhn")
+    files = ["train_32x32.mat", "test_32x32.mat"] + (["extra_32x32.mat"] if extra else [])
+    url = "http://ufldl.stanford.edu/housenumbers/ (format 2: train_32x32.mat, test_32x32.mat, extra_32x32.mat)"
+    if not d.is_dir():
+        raise DataError(f"svhn: directory {d} does not exist; expected {', '.join(files)} (get them: {url})")
+    missing = [f for f in files if not (d / f).is_file()]
+    if missing:
+        raise DataError(f"svhn: {d} lacks {', '.join(missing)} (get them: {url})")
+
+    def read(f):
+        try:
+            m = scipy.io.loadmat(str(d / f))
+        except Exception as e:  # noqa: BLE001 - scipy raises many types for bad files
+            raise DataError(f"{d / f}: truncated or corrupt .mat file ({e.__class__.__name__})") from None
+        if "X" not in m or "y" not in m:
+            raise DataError(f"{d / f}: not an SVHN file (no X/y arrays)")
+        x, y = np.asarray(m["X"]), np.asarray(m["y"]).reshape(-1).astype(np.int64)
+        if x.ndim != 4 or x.shape[:3] != (32, 32, 3) or x.shape[3] != len(y) or x.dtype != np.uint8:
+            raise DataError(f"{d / f}: corrupt SVHN arrays (X {x.shape} {x.dtype}, y {y.shape})")
+        y[y == 10] = 0                          # SVHN stores the digit 0 as label 10
+        if len(y) and (y.min() < 0 or y.max() > 9):
+            raise DataError(f"{d / f}: SVHN label out of range")
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(3, 2, 0, 1))), torch.from_numpy(y)
+
+    parts = [read(f) for f in files]
+    xtr = torch.cat([parts[0][0]] + [p[0] for p in parts[2:]])
+    ytr = torch.cat([parts[0][1]] + [p[1] for p in parts[2:]])
+    return Dataset("svhn", xtr, ytr, parts[1][0], parts[1][1], 10,
+                   (0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970))
+
+
+# --------------------------------------------------------------------------- image folder
+_IMG_EXT = {".png", ".jpg", ".jpeg"}
+
+
+def _class_files(d: Path) -> dict:
+    return {c.name: sorted(p for p in c.iterdir() if p.suffix.lower() in _IMG_EXT)
+            for c in sorted(d.iterdir()) if c.is_dir()}
+
+
+def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, seed: int = 0) -> Dataset:
+    """Class subfolders of PNG/JPEG images: ``dir/train/<class>/*`` and ``dir/test/<class>/*``,
+    or ``dir/<class>/*`` with ``test_frac`` of each class held out (a fixed shuffle)."""
+    from PIL import Image, UnidentifiedImageError
+    if not directory:
+        raise DataError("folder: set data.dir to a directory of class subfolders of PNG/JPEG images")
+    d = Path(directory)
+    if not d.is_dir():
+        raise DataError(f"folder: directory {d} does not exist; expected train/<class>/*.png|jpg and "
+                        f"test/<class>/*, or <class>/*.png|jpg")
+    if (d / "train").is_dir() and (d / "test").is_dir():
+        tr, te = _class_files(d / "train"), _class_files(d / "test")
+        classes = sorted(tr)
+        if sorted(te) != classes:
+            raise DataError(f"folder: {d}/train and {d}/test have different class subfolders")
+        split = {c: (tr[c], te[c]) for c in classes}
+    else:
+        files = _class_files(d)
+        classes = sorted(files)
+        split = {}
+        for c in classes:
+            fs = files[c]
+            perm = torch.randperm(len(fs), generator=_gen(seed, 0xF01D, len(fs))).tolist()
+            n_te = int(round(test_frac * len(fs))) if len(fs) > 1 else 0
+            split[c] = ([fs[i] for i in perm[n_te:]], [fs[i] for i in perm[:n_te]])
+    if len(classes) < 2 or any(not split[c][0] for c in classes):
+        raise DataError(f"folder: {d} needs at least 2 class subfolders, each with PNG/JPEG training images")
+    imgs = []
+    for c in classes:
+        for part in (0, 1):
+            for f in split[c][part]:
+                try:
+                    with Image.open(f) as im:
+                        im.load()
+                        imgs.append((part, classes.index(c), im.copy()))
+                except (OSError, UnidentifiedImageError) as e:
+                    raise DataError(f"{f}: unreadable or corrupt image ({e.__class__.__name__})") from None
+    gray = all(im.mode in ("L", "1", "I", "I;16") for _, _, im in imgs)
+    size = image_size or imgs[0][2].size[0]
+    xs = {0: [], 1: []}
+    ys = {0: [], 1: []}
+    for part, label, im in imgs:
+        im = im.convert("L" if gray else "RGB")
+        if im.size != (size, size):
+            im = im.resize((size, size), Image.BILINEAR)
+        a = np.asarray(im, dtype=np.uint8)
+        xs[part].append(a[None] if gray else a.transpose(2, 0, 1))
+        ys[part].append(label)
+    c_ = 1 if gray else 3
+
+    def stack(part):
+        if not xs[part]:
+            return torch.zeros(0, c_, size, size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(np.stack(xs[part])), torch.tensor(ys[part], dtype=torch.int64)
+
+    xtr, ytr = stack(0)
+    xte, yte = stack(1)
+    if len(xte) == 0:
+        raise DataError(f"folder: {d} gives no test images (add test/ or more images per class)")
+    f = xtr.double().div_(255)
+    mean = tuple(float(v) for v in f.mean(dim=(0, 2, 3)))
+    std = tuple(max(float(v), 1e-3) for v in f.std(dim=(0, 2, 3)))
+    return Dataset("folder", xtr, ytr, xte, yte, len(classes), mean, std)
+
+
+LOADERS = {"fashion-mnist": lambda c: load_idx_dataset("fashion-mnist", c.dir),
+           "mnist": lambda c: load_idx_dataset("mnist", c.dir),
+           "cifar10": lambda c: load_cifar("cifar10", c.dir),
+           "cifar100": lambda c: load_cifar("cifar100", c.dir),
+           "svhn": lambda c: load_svhn(c.dir, c.svhn_extra),
+           "folder": lambda c: load_folder(c.dir, c.image_size, c.test_frac)}
+
+
+def load_dataset(name: str, directory: str = "", train_limit: int = 0, test_limit: int = 0, *,
+                 cfg=None) -> Dataset:
+    """``cfg`` (a DataConfig) supplies the dataset-specific keys; name/directory otherwise."""
     if name not in LOADERS:
         raise DataError(f"data.name: unknown dataset {name!r} (known: {', '.join(LOADERS)})")
-    ds = LOADERS[name](directory)
+    if cfg is None:
+        from types import SimpleNamespace
+        cfg = SimpleNamespace(dir=directory, svhn_extra=False, image_size=0, test_frac=0.1)
+    ds = LOADERS[name](cfg)
     if train_limit:
         ds.train_x, ds.train_y = ds.train_x[:train_limit], ds.train_y[:train_limit]
     if test_limit:

@@ -108,10 +108,12 @@ def lr_at(passes: float, *, lr: float, schedule: str, milestones: Sequence[float
 @torch.no_grad()
 def parle_inner_step_(ys: List[Tensor], grads: List[Optional[Tensor]], xs: List[Tensor],
                       v_in: List[Tensor], *, lr: float, gamma_inv: float, weight_decay: float,
-                      momentum: float, nesterov: bool) -> None:
+                      momentum: float, nesterov: bool, noise: float = 0.0,
+                      generator: Optional[torch.Generator] = None) -> None:
     """One inner step, in place on ``ys`` and ``v_in``::
 
         g = grad + wd*y + gk*(y - x);  v = mu*v + g;  g = g + mu*v (Nesterov) or v;  y -= lr*g
+        y += sqrt(lr) * noise * N(0, I)        # Entropy-SGD's Langevin noise; off when noise = 0
 
     A tensor whose grad is None (unused in this forward) gets only the decay and coupling terms."""
     for y, gr, x, v in zip(ys, grads, xs, v_in):
@@ -124,6 +126,9 @@ def parle_inner_step_(ys: List[Tensor], grads: List[Optional[Tensor]], xs: List[
             v.mul_(momentum).add_(g)
             g = g.add(v, alpha=momentum) if nesterov else v.clone()
         y.add_(g, alpha=-lr)
+        if noise != 0.0:
+            eps = torch.randn(y.shape, generator=generator, dtype=y.dtype, device="cpu").to(y.device)
+            y.add_(eps, alpha=math.sqrt(lr) * noise)
 
 
 @torch.no_grad()
@@ -159,6 +164,7 @@ class ParleHyper:
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 0.0
+    noise: float = 0.0
 
 
 class Parle:
@@ -180,11 +186,13 @@ class Parle:
 
     def __init__(self, params: Iterable[Tensor], *, inner_lr: float, sync_period: int = 25,
                  alpha: float = 0.75, momentum: float = 0.9, nesterov: bool = True,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, noise: float = 0.0,
+                 generator: Optional[torch.Generator] = None):
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("Parle got an empty parameter list")
-        self.hp = ParleHyper(inner_lr, sync_period, alpha, momentum, nesterov, weight_decay)
+        self.hp = ParleHyper(inner_lr, sync_period, alpha, momentum, nesterov, weight_decay, noise)
+        self.generator = generator
         self.x = [p.detach().clone() for p in self.params]
         self.z = [p.detach().clone() for p in self.params]
         self.v_in = [torch.zeros_like(p) for p in self.params]
@@ -204,7 +212,8 @@ class Parle:
         ys = [p.data for p in self.params]
         parle_inner_step_(ys, [p.grad for p in self.params], self.x, self.v_in, lr=h.inner_lr,
                           gamma_inv=gamma_inv, weight_decay=h.weight_decay,
-                          momentum=h.momentum, nesterov=h.nesterov)
+                          momentum=h.momentum, nesterov=h.nesterov, noise=h.noise,
+                          generator=self.generator)
         z_average_(self.z, ys, alpha=h.alpha)
         self.inner_steps_done += 1
 

@@ -42,7 +42,8 @@ from .config import Config, ConfigError, to_dict
 from .data import DataError, ReplicaSampler, augment_batch, load_dataset, replica_indices, to_input, _gen
 from .logger import RunLogger
 from .models import build_model, sync_tensors
-from .parle import Parle, lr_at, scoping
+from .algorithms import ALGORITHMS
+from .parle import lr_at, scoping
 
 SLOT = ("loss", "loss_max", "distance", "nonfinite")   # one row per replica in every sync
 SCHED = ("gk", "rk", "lr")                               # rank 0's values for the next step
@@ -246,33 +247,38 @@ def train(cfg: Config) -> dict:
     P, O = cfg.parle, cfg.optim
     dtype = getattr(torch, cfg.model.dtype)
     dev = pick_device(cfg.dist.device)
+    algo_cls = ALGORITHMS[cfg.algo]
 
-    # Data: every replica holds the whole dataset in memory (uint8) and its own window/order.
-    ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit)
-    idx = replica_indices(len(ds.train_x), rank=rank, world=world, split=cfg.data.split,
-                          frac=cfg.data.frac, seed=cfg.train.seed)
+    # Data: every replica holds the whole dataset in memory (uint8) and its own window/order;
+    # data-parallel SGD gives each rank a disjoint shard instead.
+    ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data)
+    split, frac = (("frac", 1.0 / world) if algo_cls.shard_data and world > 1 else (cfg.data.split, cfg.data.frac))
+    idx = replica_indices(len(ds.train_x), rank=rank, world=world, split=split, frac=frac, seed=cfg.train.seed)
     sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=rank)
-    nb, L = sampler.nb, P.sync_period
-    # The same on every rank: window sizes do not depend on the rank.
-    K = max(1, math.ceil(cfg.train.epochs * nb / L))
-    eval_every_steps = max(1, round(cfg.eval.every * nb / L))
+    nb = sampler.nb
 
     # Replica: independent initialisation (seed + rank) unless asked to start from rank 0's.
     torch.manual_seed(cfg.train.seed + rank)
     random.seed(cfg.train.seed + rank)
     np.random.seed((cfg.train.seed + rank) % 2**32)
     model = build_model(cfg.model.name, num_classes=ds.num_classes, in_channels=ds.shape[0],
-                        dropout=cfg.model.dropout).to(device=dev, dtype=dtype)
-    if P.init == "broadcast":
+                        image_size=ds.shape[1], dropout=cfg.model.dropout, depth=cfg.model.depth,
+                        width=cfg.model.width).to(device=dev, dtype=dtype)
+    if P.init == "broadcast" or algo_cls.same_init:
         comm.broadcast_(list(model.state_dict().values()), name="init")   # all ranks reach this
     ref = copy.deepcopy(model)
-    opt = Parle(model.parameters(), inner_lr=O.lr, sync_period=L, alpha=P.alpha, momentum=P.momentum,
-                nesterov=P.nesterov, weight_decay=O.weight_decay)
+    algo = algo_cls(model, cfg, world, rank)
+    L = algo.L
+    # The same on every rank: window sizes do not depend on the rank.
+    K = max(1, math.ceil(cfg.train.epochs * nb / L))
+    eval_every_steps = max(1, round(cfg.eval.every * nb / L))
+    log_every_steps = max(1, math.ceil(cfg.run.log_every / L))
     model_t, ref_t = sync_tensors(model), sync_tensors(ref)
+    ref_params = list(ref.parameters())
     ex = Exchange(world, rank, dtype)
     aug_gen = _gen(cfg.train.seed, rank, 0xA6)
 
-    def schedule(k: int) -> tuple:                 # used on rank 0 only
+    def schedule(k: int) -> tuple:                 # rank 0's, for algorithms that sync
         gk, rk = scoping(k, gamma0_inv=P.gamma0_inv, gamma_min_inv=P.gamma_min_inv, rho0_inv=P.rho0_inv,
                          rho_min_inv=P.rho_min_inv, scoping=P.scoping, nb=nb)
         lr = lr_at((k - 1) * L / nb, lr=O.lr, schedule=O.schedule, milestones=O.milestones, decay=O.decay,
@@ -282,15 +288,15 @@ def train(cfg: Config) -> dict:
     log = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
                     total=K, start_step=resume_step or 0)
     header = {"config": to_dict(cfg), "versions": _versions(), "git_sha": _git_sha(), "world_size": world,
-              "device": str(dev),
-              "controller": comm.controller(), "outer_steps": K, "batches_per_pass": nb,
+              "device": str(dev), "algo": cfg.algo,
+              "controller": comm.controller(), "outer_steps": K, "inner_steps_per_outer": L, "batches_per_pass": nb,
               "params": sum(p.numel() for p in model.parameters()), "resumed_from": resume_step}
     if rank == 0:
         (run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
             json.dumps(header, indent=2))
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        log.info(f"parle_hvd: {world} replica(s) [{comm.controller()}], {K} outer steps of L={L}, "
-                 f"{nb} batches/pass, run dir {run_dir}")
+        log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.controller()}, {dev}], {K} outer steps of "
+                 f"{L} inner steps, {nb} batches/pass, run dir {run_dir}")
         log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
         log.text("run", json.dumps(header, indent=2))
 
@@ -300,10 +306,11 @@ def train(cfg: Config) -> dict:
     spread = (float("nan"), float("nan"))
     if resume_step is not None:
         st = checkpoint.load(run_dir, resume_step, rank)
-        if st.get("world") != world or st.get("params") != header["params"]:
-            raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('world')} ranks and "
-                           f"{st.get('params')} parameters, this run has {world} and {header['params']}")
-        model.load_state_dict(st["model"]); ref.load_state_dict(st["ref"]); opt.load_state_dict(st["opt"])
+        if st.get("world") != world or st.get("params") != header["params"] or st.get("algo") != cfg.algo:
+            raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('algo')} on {st.get('world')} "
+                           f"ranks with {st.get('params')} parameters; this run is {cfg.algo} on {world} ranks "
+                           f"with {header['params']}")
+        model.load_state_dict(st["model"]); ref.load_state_dict(st["ref"]); algo.load_state_dict(st["algo_state"])
         sampler.load_state_dict(st["sampler"]); aug_gen.set_state(st["aug_gen"])
         torch.set_rng_state(st["rng_torch"]); random.setstate(st["rng_py"]); np.random.set_state(st["rng_np"])
         if dev.type == "cuda" and st.get("rng_cuda") is not None:
@@ -314,20 +321,24 @@ def train(cfg: Config) -> dict:
         if rank == 0:
             checkpoint.discard_after(run_dir, resume_step)
             log.info(f"resumed from checkpoint step {resume_step}")
-    else:
+    elif algo.syncs:
         # The first reference, and rank 0's schedule for step 1. All ranks reach this.
         sched, _ = sync(model_t, ref_t, ex, schedule(1) if rank == 0 else None,
                         {"loss": 0, "loss_max": 0, "distance": 0, "nonfinite": 0})
         dist_prev = replica_distance(model, ref)
+        algo.after_sync(model_t, ref_t)
+    else:
+        sched = schedule(1)
 
     def save_ckpt(k: int) -> None:
-        state = {"step": k, "world": world, "params": header["params"], "model": model.state_dict(),
-                 "ref": ref.state_dict(), "opt": opt.state_dict(), "sampler": sampler.state_dict(),
-                 "aug_gen": aug_gen.get_state(), "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(),
-                 "rng_np": np.random.get_state(),
-                 "rng_cuda": torch.cuda.get_rng_state() if dev.type == "cuda" else None, "comm": comm.stats().as_dict(), "sched": list(sched),
-                 "dist_prev": dist_prev, "wall": wall_before + (time.monotonic() - t_start), "evals": evals,
-                 "samples": samples, "last_val": list(last_val), "config": to_dict(cfg)}
+        state = {"step": k, "world": world, "params": header["params"], "algo": cfg.algo,
+                 "model": model.state_dict(), "ref": ref.state_dict(), "algo_state": algo.state_dict(),
+                 "sampler": sampler.state_dict(), "aug_gen": aug_gen.get_state(), "rng_torch": torch.get_rng_state(),
+                 "rng_py": random.getstate(), "rng_np": np.random.get_state(),
+                 "rng_cuda": torch.cuda.get_rng_state() if dev.type == "cuda" else None,
+                 "comm": comm.stats().as_dict(), "sched": list(sched), "dist_prev": dist_prev,
+                 "wall": wall_before + (time.monotonic() - t_start), "evals": evals, "samples": samples,
+                 "last_val": list(last_val), "config": to_dict(cfg)}
         checkpoint.save(run_dir, k, rank, state, cfg.run.keep)
 
     t_start = time.monotonic()
@@ -335,9 +346,9 @@ def train(cfg: Config) -> dict:
     for k in range(k0 + 1, K + 1):
         t_step = time.monotonic()
         gk, rk, lr = sched                          # rank 0's values, received at the last sync
-        opt.begin_outer()                           # y = z = x
+        algo.begin_outer()
         losses = []
-        for _ in range(L):                          # inner loop: no communication
+        for _ in range(L):                          # inner steps: no communication (but dpsgd's)
             b = sampler.next()
             xb = ds.train_x[b]
             if cfg.data.augment:
@@ -346,44 +357,57 @@ def train(cfg: Config) -> dict:
             loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
             model.zero_grad(set_to_none=True)
             loss.backward()
-            opt.inner_step(gamma_inv=gk)
+            algo.inner_step(gk=gk, rk=rk, lr=lr, xbar=ref_params)
             losses.append(loss.detach())
-        opt.outer_step(ref.parameters(), rho_inv=rk, lr=lr)   # elastic pull toward the reference
+        algo.end_outer(ref_params, rk=rk, lr=lr)    # parle: the elastic pull toward the reference
         lt = torch.stack(losses).double()
         slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": dist_prev,
                 "nonfinite": float(not bool(torch.isfinite(lt).all()))}
-        # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
-        sched, rows = sync(model_t, ref_t, ex, schedule(k + 1) if rank == 0 else None, slot)
-        dist_prev = replica_distance(model, ref)
+        if algo.syncs:
+            # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
+            sched, rows = sync(model_t, ref_t, ex, schedule(k + 1) if rank == 0 else None, slot)
+            dist_prev = replica_distance(model, ref)
+            algo.after_sync(model_t, ref_t)
+        else:
+            # No collective: every rank computes the (deterministic) schedule; rows are rank 0's own.
+            sched = schedule(k + 1)
+            rows = torch.tensor([[slot[c] for c in SLOT]], dtype=torch.float64)
         samples += world * L * cfg.train.batch_size
 
-        if rank == 0 and (k % cfg.run.log_every == 0 or k == K):
+        if rank == 0 and (k % log_every_steps == 0 or k == K):
             dt = time.monotonic() - t_step
             cs = comm.stats()
-            log.scalars(k, {
-                "train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
-                "train/loss_max_inner": rows[:, 1].max(),
-                "parle/gamma": 1.0 / gk if gk > 0 else None, "parle/rho": 1.0 / rk if rk > 0 else None,
-                "parle/gamma_inv": gk, "parle/rho_inv": rk, "parle/lr": lr,
-                "parle/replica_distance": rows[:, 2].mean(), "parle/replica_distance_max": rows[:, 2].max(),
-                "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
-                "perf/samples_per_sec": world * L * cfg.train.batch_size / max(dt, 1e-9),
-                "train/passes": k * L / nb})
+            sc = {"train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
+                  "train/loss_max_inner": rows[:, 1].max(), "parle/lr": lr,
+                  "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
+                  "perf/samples_per_sec": world * L * cfg.train.batch_size / max(dt, 1e-9),
+                  "train/passes": k * L / nb}
+            if "gamma" in algo.couplings:
+                sc.update({"parle/gamma": 1.0 / gk if gk > 0 else None, "parle/gamma_inv": gk})
+            if "rho" in algo.couplings:
+                sc.update({"parle/rho": 1.0 / rk if rk > 0 else None, "parle/rho_inv": rk})
+            if algo.syncs:
+                sc.update({"parle/replica_distance": rows[:, 2].mean(), "parle/replica_distance_max": rows[:, 2].max()})
+            log.scalars(k, sc)
         if bool(rows[:, 3].any()):
-            bad = [i for i in range(world) if rows[i, 3] > 0]
+            bad = [i for i in range(len(rows)) if rows[i, 3] > 0]
             raise RunError(f"non-finite training loss on rank(s) {bad} at outer step {k}; "
                            f"last complete checkpoint kept in {run_dir}/checkpoints")
 
         if k % eval_every_steps == 0 or k == K:
+            algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
             recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
             acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev, [dist_prev])
-            spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
+            if algo.syncs:
+                spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
             evals += 1
             last_val = (acc, vloss)
             log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
                             "comm/allreduce_calls": comm.stats().allreduce_calls})
             log.info(f"step {k}/{K} pass {k * L / nb:.2f}: val acc {acc:.4f} loss {vloss:.4f}, "
-                     f"train loss {float(rows[:, 0].mean()):.4f}, gamma_inv {gk:.3g} rho_inv {rk:.3g} lr {lr:.3g}")
+                     f"train loss {float(rows[:, 0].mean()):.4f}, lr {lr:.3g}"
+                     + (f" gamma_inv {gk:.3g}" if "gamma" in algo.couplings else "")
+                     + (f" rho_inv {rk:.3g}" if "rho" in algo.couplings else ""))
             model.train()
         log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {last_val[0]:.4f}")
 
@@ -393,11 +417,14 @@ def train(cfg: Config) -> dict:
     wall = wall_before + (time.monotonic() - t_start)
     cs = comm.stats()
     summary = {"val_accuracy": last_val[0], "val_loss": last_val[1], "wall_seconds": wall,
-               "outer_steps": K, "inner_steps": K * L, "passes": K * L / nb, "evaluations": evals,
-               "samples_seen": samples, "allreduce_calls": cs.allreduce_calls, "broadcast_calls": cs.broadcast_calls,
-               "bytes_communicated": cs.bytes, "allreduce_bytes": cs.allreduce_bytes,
-               "final_replica_distance": spread[0], "final_replica_distance_max": spread[1], "world_size": world, "algo": cfg.algo,
-               "controller": comm.controller(), "resumed_from": resume_step, "config": to_dict(cfg)}
+               "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / nb,
+               "evaluations": evals, "samples_seen": samples, "allreduce_calls": cs.allreduce_calls,
+               "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
+               "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,
+               "final_replica_distance": spread[0], "final_replica_distance_max": spread[1],
+               "params": header["params"], "world_size": world, "algo": cfg.algo,
+               "controller": comm.controller(), "device": str(dev), "resumed_from": resume_step,
+               "config": to_dict(cfg)}
     if rank == 0:
         torch.save(ref.state_dict(), run_dir / "final.pt")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

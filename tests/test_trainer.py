@@ -82,7 +82,8 @@ def test_entropy_sgd_special_case_matches_float64_reference_loop(tmp_path):
 def test_run_outputs_and_single_rank_counters(tmp_path):
     cfg = make_config(None, ["dist.backend=none", f"run.dir={tmp_path}", "run.progress=lines",
                              "data.train_limit=2048", "data.test_limit=500", "parle.sync_period=4",
-                             "train.epochs=1", "eval.every=0.5", "run.ckpt_every=2"])
+                             "train.epochs=1", "eval.every=0.5", "run.ckpt_every=2",
+                             "run.log_every=1"])
     s = train(cfg)
     for f in ("summary.json", "final.pt", "metrics.jsonl", "run.json", "config.json"):
         assert (tmp_path / f).is_file(), f
@@ -113,6 +114,6 @@ def test_run_outputs_and_single_rank_counters(tmp_path):
     assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3, 4]
     # checkpoint files: step 2 and the final step, all state
     st = torch.load(tmp_path / "checkpoints/step-00000004/rank-0.pt", weights_only=False)
-    for k in ("model", "ref", "opt", "sampler", "rng_torch", "sched", "step"):
+    for k in ("model", "ref", "algo_state", "sampler", "rng_torch", "sched", "step"):
         assert k in st
-    assert set(st["opt"]) >= {"x", "z", "v_in", "v_out"}
+    assert set(st["algo_state"]["parle"]) >= {"x", "z", "v_in", "v_out"}
