@@ -208,11 +208,13 @@ class DistConfig:
     backend: str = _f("auto", "auto: Horovod when started by horovodrun/mpirun/srun; none: one process",
                       ["auto", "horovod", "none"])
     threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
+    expect_ranks: int = _f(0, "the number of ranks this config is meant for (0 = any); a mismatch stops the run")
     device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
                      ["auto", "cpu", "cuda"])
 
     def __post_init__(self):
         _check(self.threads >= 0, "dist.threads", "must be >= 0")
+        _check(self.expect_ranks >= 0, "dist.expect_ranks", "must be >= 0")
 
 
 @dataclass

@@ -243,6 +243,9 @@ def train(cfg: Config) -> dict:
     if cfg.dist.threads:
         torch.set_num_threads(cfg.dist.threads)
     rank, world = comm.rank(), comm.size()
+    if cfg.dist.expect_ranks and cfg.dist.expect_ranks != world:
+        raise RunError(f"dist.expect_ranks: this config is meant for {cfg.dist.expect_ranks} ranks, "
+                       f"launched with {world} (override dist.expect_ranks=0 to run anyway)")
     cfg, run_dir, resume_step = _start(cfg, rank)
     P, O = cfg.parle, cfg.optim
     dtype = getattr(torch, cfg.model.dtype)

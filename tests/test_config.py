@@ -96,3 +96,34 @@ def test_cli_yaml_syntax_error(tmp_path):
     r = _cli("--config", str(bad))
     assert r.returncode == 2 and "YAML syntax error" in r.stderr and "line" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_preset_loads_and_states_its_launch_line(path):
+    import re
+    c = make_config(path)
+    head = "\n".join(l for l in path.read_text().splitlines() if l.startswith("#"))
+    launch = [l for l in head.splitlines() if "train.py --config configs/" + path.name in l]
+    assert launch, f"{path.name}: no launch line in the header comment"
+    for l in launch:
+        m = re.search(r"-np (\d+)", l)
+        if m and c.dist.expect_ranks:
+            assert int(m.group(1)) == c.dist.expect_ranks
+    if path.stem.startswith("fashion_"):
+        assert c.data.name == "fashion-mnist" and c.train.epochs == 20 and c.optim.milestones == [12.0, 17.0]
+        assert c.algo == path.stem.split("_", 1)[1]
+
+
+def test_paper_presets_cover_every_row():
+    rows = {"lenet_mnist_parle": ("mnist", "lenet", 6, 1.0), "allcnn_cifar10_parle": ("cifar10", "allcnn", 3, 1.0),
+            "allcnn_cifar10_split_half": ("cifar10", "allcnn", 3, 0.5),
+            "allcnn_cifar10_split_quarter": ("cifar10", "allcnn", 6, 0.25),
+            "wrn28_10_cifar10": ("cifar10", "wrn", 3, 1.0), "wrn28_10_cifar100": ("cifar100", "wrn", 3, 1.0)}
+    for name, (data, model, n, frac) in rows.items():
+        c = make_config(ROOT / "configs" / f"{name}.yaml")
+        assert (c.data.name, c.model.name, c.dist.expect_ranks) == (data, model, n)
+        assert c.data.frac == frac and (c.data.split == "frac") == (frac < 1)
+        assert c.train.epochs == 125 and c.parle.sync_period == 25   # 5 authors' epochs of L = 25 passes
