@@ -8,8 +8,17 @@ import torch
 from parle_hvd.parle import (Parle, coupling, lr_at, parle_inner_step_, parle_outer_step_, scoping,
                              z_average_)
 
-torch.set_default_dtype(torch.float64)
 D_IN, D_OUT = 4, 3
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Every tensor in these tests is float64; restored afterwards so that no other test
+    (e.g. one that initialises a model in float32 to compare with another process) is affected."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def loss_fn(W, b, batch):

@@ -38,7 +38,7 @@ def test_sync_exchange_mechanism():
 def test_two_ranks_identical_reference_schedule_from_rank0_and_exact_counts(tmp_path, controller, init):
     run = tmp_path / "run"
     over = SMALL + [f"run.dir={run}", "train.epochs=1", "run.ckpt_every=1", "run.keep=1000", "eval.every=0.5",
-                    f"parle.init={init}",
+                    f"parle.init={init}", "run.log_every=1",
                     "parle.gamma0_inv=0.2", "parle.rho0_inv=1.0", "parle.scoping=0.5"]
     out = run_ranks(TRAIN, controller=controller, args=["--config", "configs/fashion_parle.yaml", *over],
                     timeout=240, reports=False,
