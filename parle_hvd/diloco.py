@@ -21,14 +21,12 @@ from typing import List
 import torch
 from torch import Tensor
 
+from .parle import _momentum
+
 
 @torch.no_grad()
 def diloco_outer_step_(thetas: List[Tensor], means: List[Tensor], bufs: List[Tensor], *, lr: float,
                        momentum: float, nesterov: bool = True) -> None:
     """In place on ``thetas`` and ``bufs``; ``means`` holds ``mean_a x[a]``."""
     for th, m, v in zip(thetas, means, bufs):
-        delta = th - m
-        if momentum != 0.0:
-            v.mul_(momentum).add_(delta)
-            delta = delta.add(v, alpha=momentum) if nesterov else v.clone()
-        th.add_(delta, alpha=-lr)
+        th.add_(_momentum(th - m, v, momentum, nesterov), alpha=-lr)

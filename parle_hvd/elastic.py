@@ -15,21 +15,16 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import torch
 from torch import Tensor
 
+from .parle import parle_inner_step_
 
-@torch.no_grad()
+
 def elastic_step_(xs: List[Tensor], grads: List[Optional[Tensor]], xbars: List[Tensor], bufs: List[Tensor],
                   *, lr: float, rho_inv: float, weight_decay: float, momentum: float, nesterov: bool) -> None:
-    """One Elastic-SGD step, in place on ``xs`` and ``bufs``."""
-    for x, gr, xb, v in zip(xs, grads, xbars, bufs):
-        g = torch.zeros_like(x) if gr is None else gr.clone()
-        if weight_decay != 0.0:
-            g.add_(x, alpha=weight_decay)
-        if rho_inv != 0.0:
-            g.add_(x - xb, alpha=rho_inv)
-        if momentum != 0.0:
-            v.mul_(momentum).add_(g)
-            g = g.add(v, alpha=momentum) if nesterov else v.clone()
-        x.add_(g, alpha=-lr)
+    """One Elastic-SGD step, in place on ``xs`` and ``bufs``.
+
+    It has the shape of Parle's inner step with the replica in place of y, the reference
+    in place of the anchor x[a], and rk in place of gk, so it is computed by that function."""
+    parle_inner_step_(xs, grads, xbars, bufs, lr=lr, gamma_inv=rho_inv, weight_decay=weight_decay,
+                      momentum=momentum, nesterov=nesterov)

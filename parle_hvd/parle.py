@@ -105,6 +105,14 @@ def lr_at(passes: float, *, lr: float, schedule: str, milestones: Sequence[float
 
 
 # --------------------------------------------------------------------------- the update
+def _momentum(g: Tensor, v: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """``v = mu*v + g`` in place; the step direction ``g + mu*v`` (Nesterov) or ``v``."""
+    if momentum == 0.0:
+        return g
+    v.mul_(momentum).add_(g)
+    return g.add(v, alpha=momentum) if nesterov else v.clone()
+
+
 @torch.no_grad()
 def parle_inner_step_(ys: List[Tensor], grads: List[Optional[Tensor]], xs: List[Tensor],
                       v_in: List[Tensor], *, lr: float, gamma_inv: float, weight_decay: float,
@@ -122,10 +130,7 @@ def parle_inner_step_(ys: List[Tensor], grads: List[Optional[Tensor]], xs: List[
             g.add_(y, alpha=weight_decay)
         if gamma_inv != 0.0:
             g.add_(y - x, alpha=gamma_inv)
-        if momentum != 0.0:
-            v.mul_(momentum).add_(g)
-            g = g.add(v, alpha=momentum) if nesterov else v.clone()
-        y.add_(g, alpha=-lr)
+        y.add_(_momentum(g, v, momentum, nesterov), alpha=-lr)
         if noise != 0.0:
             eps = torch.randn(y.shape, generator=generator, dtype=y.dtype, device="cpu").to(y.device)
             y.add_(eps, alpha=math.sqrt(lr) * noise)
@@ -149,10 +154,7 @@ def parle_outer_step_(xs: List[Tensor], zs: List[Tensor], xbars: List[Tensor],
         d = x - z
         if rho_inv != 0.0:
             d.add_(x - xb, alpha=rho_inv)
-        if momentum != 0.0:
-            v.mul_(momentum).add_(d)
-            d = d.add(v, alpha=momentum) if nesterov else v.clone()
-        x.add_(d, alpha=-lr)
+        x.add_(_momentum(d, v, momentum, nesterov), alpha=-lr)
 
 
 # --------------------------------------------------------------------------- the class
