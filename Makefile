@@ -3,6 +3,7 @@ SHELL := /bin/bash
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
+TSTAMP := $(VENV)/.test-deps-done
 NP    ?= 2
 CONFIG ?= configs/fashion_parle.yaml
 
@@ -17,17 +18,22 @@ $(STAMP): launch/setup.sh requirements.txt pyproject.toml
 	launch/setup.sh
 	@touch $(STAMP)
 
+# What the suite's SLURM and two-host tests need (slurm-wlm, sshd, iproute2).
+$(TSTAMP): $(STAMP)
+	PARLE_HVD_TEST_DEPS=1 launch/setup.sh
+	@touch $(TSTAMP)
+
 # Train the default config on $(NP) local ranks (horovodrun --gloo).
 run: $(STAMP)
 	NP=$(NP) CONFIG=$(CONFIG) launch/local.sh $(ARGS)
 
-# The whole suite: unit, multi-rank (Gloo and MPI), integration.
-test: $(STAMP)
+# The whole suite: unit, multi-rank (Gloo and MPI), integration, cluster (SLURM, two hosts).
+test: $(TSTAMP)
 	$(PY) -m pytest -q -ra --durations=15
 
 # Unit tier only (single process, seconds).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not multirank and not integration"
+	$(PY) -m pytest -q -m "not multirank and not integration and not cluster"
 
 clean-runs:
 	rm -rf runs/

@@ -20,6 +20,7 @@
 #   PARLE_HVD_CUDA=0|1   (1: build Horovod with NCCL; needs nvcc and a CUDA torch)
 #   PARLE_HVD_SKIP_APT=1 (never touch apt)   PARLE_HVD_CACHE=~/.cache/parle_hvd
 #   PARLE_HVD_NO_VENV=1  (install into the current interpreter, e.g. a conda env)
+#   PARLE_HVD_TEST_DEPS=1 (also apt-get what the test suite's SLURM and two-host tests use)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,6 +40,8 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 # ---------------------------------------------------------------- 1. system packages
 apt_pkgs=(openmpi-bin libopenmpi-dev)          # required
 apt_optional=(dataset-fashion-mnist)             # the embedded default data; not on every distro
+# The test suite's real SLURM cluster and network-namespace hosts (make test sets this).
+[[ ${PARLE_HVD_TEST_DEPS:-0} == 1 ]] && apt_pkgs+=(slurm-wlm openssh-server openssh-client iproute2 util-linux procps)
 if [[ ${PARLE_HVD_SKIP_APT:-0} == 1 ]]; then
     say "PARLE_HVD_SKIP_APT=1: not touching apt; mpicc/mpirun must be on PATH"
 elif ! command -v apt-get >/dev/null || [[ $(id -u) != 0 ]]; then

@@ -72,6 +72,28 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def run_command(cmd, *, env: dict | None = None, timeout: float = 300, cwd=ROOT) -> tuple[int, str]:
+    """Run any command (a launch script, say) in its own session; on timeout kill its whole
+    tree and raise MultiRankError with its output."""
+    e = dict(os.environ)
+    e.update(MPI_ENV)
+    if env:
+        e.update(env)
+    with tempfile.TemporaryFile() as fh:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=e,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            fh.seek(0)
+            raise MultiRankError(f"{cmd[0]} timed out after {timeout:.0f}s and was killed; output:\n"
+                                 f"{fh.read().decode(errors='replace')}")
+        fh.seek(0)
+        return rc, fh.read().decode(errors="replace")
+
+
 class RankJob:
     """A launched multi-rank job: ``wait`` (kills the tree on timeout), ``kill``, ``output``."""
 
