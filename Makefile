@@ -7,7 +7,7 @@ TSTAMP := $(VENV)/.test-deps-done
 NP    ?= 2
 CONFIG ?= configs/fashion_parle.yaml
 
-.PHONY: setup run test test-fast clean-runs
+.PHONY: setup run test test-fast bench-quick bench results clean-runs
 
 # Always re-runs: idempotent, and seconds when everything is already there.
 setup:
@@ -34,6 +34,20 @@ test: $(TSTAMP)
 # Unit tier only (single process, seconds).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multirank and not integration and not cluster"
+
+# Every benchmark in its --quick mode (each under a minute), printing `name: value` lines.
+bench-quick: $(STAMP)
+	@for b in overhead pipeline sync_cost communication time_to_accuracy split_data; do \
+	    echo "== bench.$$b --quick"; $(PY) -m bench.$$b --quick || exit 1; done
+
+# The full benchmarks (the figures in docs/RESULTS.md come from `make results`).
+bench: $(STAMP)
+	@for b in overhead pipeline sync_cost communication time_to_accuracy split_data; do \
+	    echo "== bench.$$b"; $(PY) -m bench.$$b || exit 1; done
+
+# Regenerate docs/RESULTS.md (about 35 minutes on 2 cores; needs root for the throttled hosts).
+results: $(TSTAMP)
+	PY=$(PY) scripts/results.sh
 
 clean-runs:
 	rm -rf runs/

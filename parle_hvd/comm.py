@@ -177,6 +177,20 @@ def allreduce_sum_(tensors: Sequence[torch.Tensor], *, name: str = "sum") -> Non
     fused_allreduce_(sums=tensors, name=name)
 
 
+def allreduce_each_(tensors: Sequence[torch.Tensor], *, name: str = "each") -> None:
+    """In place, the mean over ranks of each tensor with ONE ``hvd.allreduce`` PER TENSOR
+    (the unfused way; bench/sync_cost.py compares it with ``fused_allreduce_``). All ranks
+    reach this, with the same tensors in the same order."""
+    if not _active():
+        return
+    for i, t in enumerate(tensors):
+        out = _hvd.allreduce(t.detach(), op=_hvd.Average, name=f"parle_hvd.{name}.{i}")   # all ranks reach this
+        _stats.allreduce_calls += 1
+        _stats.allreduce_bytes += out.numel() * out.element_size()
+        with torch.no_grad():
+            t.copy_(out)
+
+
 def broadcast_(tensors: Sequence[torch.Tensor], root: int = 0, *, name: str = "bcast") -> None:
     """In place, every tensor takes rank ``root``'s values (bit-exact, any dtype); one call.
     All ranks reach this."""
@@ -253,5 +267,5 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
 __all__ = [
     "CommStats", "launched", "init", "is_initialized", "rank", "size", "local_rank", "local_size",
     "controller", "stats", "reset_stats", "load_stats", "fused_allreduce_", "allreduce_mean_",
-    "allreduce_sum_", "broadcast_", "broadcast_object", "distributed_optimizer", "shutdown", "nbytes",
+    "allreduce_sum_", "allreduce_each_", "broadcast_", "broadcast_object", "distributed_optimizer", "shutdown", "nbytes",
 ]

@@ -366,24 +366,27 @@ class ReplicaSampler:
 
 
 def to_input(x_u8: torch.Tensor, mean, std, dtype=torch.float32) -> torch.Tensor:
-    """uint8 [B,C,H,W] -> normalised float, on the whole batch at once."""
-    x = x_u8.to(dtype).div_(255.0)
-    m = torch.tensor(mean, dtype=dtype, device=x.device).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=dtype, device=x.device).view(1, -1, 1, 1)
-    return x.sub_(m).div_(s)
+    """uint8 [B,C,H,W] -> normalised float ``(x/255 - mean)/std``, on the whole batch, in
+    two passes (one multiply-subtract per channel)."""
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=dtype, device=x_u8.device).view(1, -1, 1, 1)
+    shift = torch.tensor([m / s for m, s in zip(mean, std)], dtype=dtype, device=x_u8.device).view(1, -1, 1, 1)
+    return x_u8.to(dtype).mul_(scale).sub_(shift)
 
 
 def augment_batch(x_u8: torch.Tensor, g: torch.Generator, pad: int = 4, flip: bool = True) -> torch.Tensor:
-    """Random ``pad``-pixel pad-and-crop and horizontal flip, on a whole uint8 batch."""
+    """Random ``pad``-pixel pad-and-crop and horizontal flip of a whole uint8 batch, as one
+    gather: each output pixel's source index in the zero-padded image is computed for the
+    whole batch (crop offset, and mirrored columns for the flipped images)."""
     b, c, h, w = x_u8.shape
-    padded = torch.nn.functional.pad(x_u8, (pad, pad, pad, pad))
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=g)
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=g)
-    rows = (dy.view(b, 1) + torch.arange(h).view(1, h))           # [B,H]
-    cols = (dx.view(b, 1) + torch.arange(w).view(1, w))           # [B,W]
-    out = padded[torch.arange(b).view(b, 1, 1, 1), torch.arange(c).view(1, c, 1, 1),
-                 rows.view(b, 1, h, 1), cols.view(b, 1, 1, w)]
+    H, W = h + 2 * pad, w + 2 * pad
+    padded = torch.nn.functional.pad(x_u8, (pad, pad, pad, pad)).view(b, c, H * W)
+    dx = torch.randint(0, 2 * pad + 1, (b, 1), generator=g)
+    dy = torch.randint(0, 2 * pad + 1, (b, 1), generator=g)
+    j = torch.arange(w).view(1, w)
     if flip:
-        f = torch.rand(b, generator=g) < 0.5
-        out[f] = out[f].flip(-1)
-    return out
+        flipped = torch.rand(b, 1, generator=g) < 0.5
+        j = torch.where(flipped, w - 1 - j, j)
+    cols = dx + j                                                  # [B, W]
+    rows = dy + torch.arange(h).view(1, h)                         # [B, H]
+    idx = (rows.view(b, h, 1) * W + cols.view(b, 1, w)).view(b, 1, h * w).expand(b, c, h * w)
+    return torch.gather(padded, 2, idx.to(x_u8.device)).view(b, c, h, w)

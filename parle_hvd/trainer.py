@@ -406,7 +406,9 @@ def train(cfg: Config) -> dict:
             evals += 1
             last_val = (acc, vloss)
             log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
-                            "comm/allreduce_calls": comm.stats().allreduce_calls})
+                            "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
+                            "train/passes": k * L / nb,
+                            "train/wall_seconds": wall_before + (time.monotonic() - t_start)})
             log.info(f"step {k}/{K} pass {k * L / nb:.2f}: val acc {acc:.4f} loss {vloss:.4f}, "
                      f"train loss {float(rows[:, 0].mean()):.4f}, lr {lr:.3g}"
                      + (f" gamma_inv {gk:.3g}" if "gamma" in algo.couplings else "")

@@ -1,0 +1,107 @@
+"""Write docs/RESULTS.md from the `name: value` files scripts/results.sh leaves in docs/results/."""
+import re
+import sys
+from pathlib import Path
+
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def load(name):
+    f = src / f"{name}.txt"
+    if not f.exists():
+        return {}, "", ""
+    lines = f.read_text().splitlines()
+    cmd = lines[0][3:] if lines and lines[0].startswith("== ") else ""
+    vals = {}
+    for l in lines[1:]:
+        m = re.match(r"^([a-z0-9_]+): (.*)$", l)
+        if m:
+            vals[m.group(1)] = m.group(2)
+    return vals, cmd, vals.get("elapsed_seconds", "?")
+
+
+def f(v, d="-"):
+    return v if v is not None else d
+
+
+out = ["# Results", "",
+       "Measured on this project's machine: 2 CPU cores, no GPU, Python 3.11, torch 2.13.0 (CPU), Horovod "
+       "0.28.1 (Gloo and MPI controllers). Every figure below was produced by the command shown beside it; "
+       "`make results` (= `scripts/results.sh`) reruns them all and rewrites this page. Raw `name: value` output: "
+       "`docs/results/*.txt`. Ratios are measured within one run, never against a stored baseline.", ""]
+
+v, cmd, t = load("overhead")
+out += ["## Compute overhead of a Parle replica", "", f"`{cmd}` ({t} s)", "",
+        "| plain SGD samples/s | Parle replica samples/s | ratio | target |", "|---|---|---|---|",
+        f"| {f(v.get('overhead_sgd_samples_per_sec'))} | {f(v.get('overhead_parle_samples_per_sec'))} | "
+        f"**{f(v.get('overhead_ratio'))}** | >= 0.95 ({'met' if v.get('overhead_target_met') == '1' else 'missed'}) |", ""]
+
+v, cmd, t = load("communication")
+out += ["## Communication per training sample (2 ranks, LeNet, Fashion-MNIST, one pass)", "", f"`{cmd}` ({t} s)", "",
+        "| algo | bytes / sample | allreduce calls / sample | allreduce calls |", "|---|---|---|---|"]
+for a in ("parle", "localsgd", "diloco", "elastic", "dpsgd"):
+    out.append(f"| {a} | {f(v.get(f'comm_{a}_bytes_per_sample'))} | {f(v.get(f'comm_{a}_allreduce_calls_per_sample'))} | "
+               f"{f(v.get(f'comm_{a}_allreduce_calls'))} |")
+out += ["", f"bytes_per_sample_ratio (parle / dpsgd) = **{f(v.get('bytes_per_sample_ratio'))}**, target <= 1/L = "
+        f"{f(v.get('bytes_per_sample_target'))} ({'met' if v.get('bytes_per_sample_target_met') == '1' else 'missed'}). "
+        f"Parle's sync carries {f(v.get('parle_sync_bytes_over_weight_bytes'))}x the weight bytes (BatchNorm statistics, "
+        f"the schedule and the per-replica slots ride along; dpsgd never sends BatchNorm statistics while training). "
+        f"calls_per_sample_ratio = {f(v.get('calls_per_sample_ratio'))}.", ""]
+
+v, cmd, t = load("sync_cost")
+out += ["## Cost of one sync (2 ranks, mpirun, Horovod MPI controller)", "", f"`{cmd}` ({t} s)", "",
+        "| model | MB | tensors | fused (ms) | one hvd.allreduce per tensor (ms) | mpi4py Allreduce (ms) | per-tensor / fused | mpi4py / fused |",
+        "|---|---|---|---|---|---|---|---|"]
+for m in ("lenet", "allcnn", "resnet18"):
+    g = lambda k: f(v.get(f"sync_{m}_{k}"))
+    out.append(f"| {m} | {g('mbytes')} | {g('tensors')} | {g('fused_ms')} | {g('per_tensor_ms')} | {g('mpi4py_ms')} | "
+               f"{g('per_tensor_over_fused')} | {g('mpi4py_over_fused')} |")
+out.append("")
+
+v, cmd, t = load("pipeline")
+out += ["## Input pipeline (augmented CIFAR-shaped batches of 128, one core)", "", f"`{cmd}` ({t} s)", "",
+        "| ours (batches/s) | per-image DataLoader + transforms (batches/s) | speedup | target |", "|---|---|---|---|",
+        f"| {f(v.get('pipeline_ours_batches_per_sec'))} | {f(v.get('pipeline_dataloader_batches_per_sec'))} | "
+        f"**{f(v.get('pipeline_speedup'))}** | >= 5 ({'met' if v.get('pipeline_target_met') == '1' else 'missed'}) |", "",
+        "The per-image side is torchvision's recipe (RandomCrop(32, padding=4), RandomHorizontalFlip, ToTensor, "
+        "Normalize through a DataLoader) written with PIL and numpy, because torchvision cannot be installed beside "
+        "the CPU torch build here (requirements.txt).", ""]
+
+v, cmd, t = load("time_to_accuracy")
+out += ["## Time to accuracy (2 ranks, Fashion-MNIST, LeNet)", "", f"`{cmd}` ({t} s; the loopback runs are the "
+        "comparison report's below)", "",
+        "Wall seconds of training until the reference first reaches dpsgd's final test accuracy.", "",
+        "| link | target accuracy | dpsgd (s) | parle (s) | localsgd (s) | diloco (s) | parle / dpsgd | target |",
+        "|---|---|---|---|---|---|---|---|"]
+for tag, tgt in (("loopback", "<= 0.5"), ("throttled", "<= 0.25")):
+    g = lambda k: f(v.get(f"tta_{tag}_{k}"))
+    ratio = v.get(f"tta_ratio_{tag}")
+    link = tag if tag == "loopback" else f"two hosts, {f(v.get('tta_throttled_rate'))}"
+    out.append(f"| {link} | {g('target_accuracy')} | {g('dpsgd_seconds')} | {g('parle_seconds')} | "
+               f"{g('localsgd_seconds')} | {g('diloco_seconds')} | **{f(ratio)}** | {tgt} |")
+out += ["", "Final accuracies and total wall seconds per run:", "", "| link | algo | final accuracy | wall s |", "|---|---|---|---|"]
+for tag in ("loopback", "throttled"):
+    for a in ("dpsgd", "parle", "localsgd", "diloco"):
+        if f"tta_{tag}_{a}_final_accuracy" in v:
+            out.append(f"| {tag} | {a} | {v[f'tta_{tag}_{a}_final_accuracy']} | {v[f'tta_{tag}_{a}_wall_seconds']} |")
+out.append("")
+
+if (src / "report.md").exists():
+    rep = (src / "report.md").read_text().splitlines()
+    v, cmd, t = load("compare")
+    out += ["## Comparison report (same budget, 2 ranks; sgd and entropy one process)", "", f"`{cmd}` ({t} s)", ""]
+    out += [l.replace("](", "](results/") if l.startswith("![") else l for l in rep[4:]]
+    out.append("")
+
+v, cmd, t = load("split_data")
+paper = {"parle_n3_third": "-", "sgd_third": "-", "parle_n2_half": "-", "sgd_half": "-", "sgd_full": "-"}
+out += ["## Split data (the paper's RQ3), Fashion-MNIST, LeNet", "", f"`{cmd}` ({t} s)", "",
+        "| run | ranks | each replica's data | test error (%) | wall s |", "|---|---|---|---|---|"]
+for name, frac in (("parle_n3_third", "1/3"), ("sgd_third", "1/3"), ("parle_n2_half", "1/2"), ("sgd_half", "1/2"),
+                   ("sgd_full", "all")):
+    out.append(f"| {name} | {f(v.get(f'split_{name}_ranks'))} | {frac} | {f(v.get(f'split_{name}_test_error_pct'))} | "
+               f"{f(v.get(f'split_{name}_wall_seconds'))} |")
+out += ["", "The paper's split-data rows (All-CNN-C on CIFAR-10, PARLE.md): n=3 with 1/2 each: Parle 5.89 %, "
+        "Elastic-SGD 6.51 %, SGD on all the data 6.15 %; n=6 with 1/4 each: Parle 6.08 %, Elastic-SGD 6.8 %.", ""]
+
+dst.write_text("\n".join(out) + "\n")
