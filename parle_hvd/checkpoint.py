@@ -10,9 +10,11 @@ No collective is needed to write or to find a checkpoint.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -50,11 +52,33 @@ def atomic_save(obj, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if os.environ.get("PARLE_HVD_CKPT_DELAY"):
+            # testing hook (tests/test_robustness.py): a slow disk, so a kill can land mid-write
+            time.sleep(float(os.environ["PARLE_HVD_CKPT_DELAY"]))
         os.replace(tmp, path)
+    except RuntimeError as e:
+        # torch's zip writer reports a short write (full disk, file-size limit) this way
+        tmp.unlink(missing_ok=True)
+        raise OSError(errno.EIO, "write failed (disk full or file too large?)", str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save(root: Path, step: int, rank: int, state: dict, keep: int) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 USAGE = """train.py [--config FILE] [--resume] [key.sub=value ...]
@@ -40,16 +41,26 @@ def main(argv=None) -> int:
               f"{help_text()}")
         return 0
     rank = _rank_from_env()
+    if hasattr(signal, "SIGXFSZ"):
+        # a file-size limit makes writes fail with EFBIG (reported below) instead of killing us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         from .checkpoint import CheckpointError
         from .data import DataError
-        from .trainer import RunError, train
+        from .trainer import DivergenceError, RunError, train
         overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
         cfg = make_config(args.config, overrides)
         train(cfg)
     except (ConfigError, DataError, RunError, CheckpointError) as e:
+        if rank == 0 or isinstance(e, CheckpointError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except DivergenceError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+    except OSError as e:      # a full disk or a vanished directory while writing logs
+        print(f"error: rank {rank}: {e.strerror or e}: {e.filename or ''}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print(f"[rank {rank}] interrupted", file=sys.stderr, flush=True)

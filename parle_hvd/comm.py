@@ -64,13 +64,19 @@ def launched() -> bool:
     return any(k in os.environ for k in _launched_env)
 
 
-def init(backend: str = "auto", set_threads: bool = True) -> None:
+def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0) -> None:
     """Initialise Horovod when launched by one (``backend="auto"``), always
-    (``"horovod"``) or never (``"none"``; world size 1). Idempotent."""
+    (``"horovod"``) or never (``"none"``; world size 1). Idempotent. ``timeout`` > 0 sets
+    Horovod's stall warning (60 s) and stall shutdown (``timeout``) unless the environment
+    already does; under Gloo Horovod never acts on them, which is what the trainer's
+    watchdog is for."""
     global _hvd
     if backend not in ("auto", "horovod", "none"):
         raise ValueError(f"dist.backend must be auto, horovod or none, not {backend!r}")
     if _hvd is None and (backend == "horovod" or (backend == "auto" and launched())):
+        if timeout > 0:
+            os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, timeout))))
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout)))
         import horovod.torch as hvd  # the one import of horovod.torch in parle_hvd
 
         hvd.init()

@@ -99,7 +99,7 @@ def plots(out: Path, runs: dict) -> list:
         if xs:
             ax.plot(xs, ys, ls="--", label=f"{algo} max")
     ax.set_xlabel("passes")
-    ax.set_ylabel("||x_a - xbar|| at the start of an outer step")
+    ax.set_ylabel("||x_a - xbar|| at each sync")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -208,6 +208,8 @@ class DistConfig:
     backend: str = _f("auto", "auto: Horovod when started by horovodrun/mpirun/srun; none: one process",
                       ["auto", "horovod", "none"])
     threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
+    timeout: float = _f(300.0, "seconds any collective may wait before the run fails naming the silent rank "
+                        "(0 = wait forever); also Horovod's stall shutdown time")
     expect_ranks: int = _f(0, "the number of ranks this config is meant for (0 = any); a mismatch stops the run")
     device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
                      ["auto", "cpu", "cuda"])
@@ -215,6 +217,7 @@ class DistConfig:
     def __post_init__(self):
         _check(self.threads >= 0, "dist.threads", "must be >= 0")
         _check(self.expect_ranks >= 0, "dist.expect_ranks", "must be >= 0")
+        _check(self.timeout >= 0, "dist.timeout", "must be >= 0")
 
 
 @dataclass

@@ -81,6 +81,12 @@ class RunLogger:
             self._last_line = time.monotonic()
             print(f"step {step}: {msg}", flush=True)
 
+    def flush(self) -> None:
+        if self.tb:
+            self.tb.flush()
+        if self._jsonl:
+            self._jsonl.flush()
+
     def close(self) -> None:
         if self.bar:
             self.bar.close()

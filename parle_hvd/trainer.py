@@ -43,14 +43,27 @@ from .data import DataError, ReplicaSampler, augment_batch, load_dataset, replic
 from .logger import RunLogger
 from .models import build_model, sync_tensors
 from .algorithms import ALGORITHMS
+from .checkpoint import CheckpointError
+from .watchdog import StopSignal, Watchdog
 from .parle import lr_at, scoping
 
-SLOT = ("loss", "loss_max", "distance", "nonfinite")   # one row per replica in every sync
+SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop")   # one row per replica in every sync
 SCHED = ("gk", "rk", "lr")                               # rank 0's values for the next step
 
 
 class RunError(RuntimeError):
     """A problem with the run itself (directory, resume); one line, exit 2."""
+
+
+class DivergenceError(RuntimeError):
+    """Non-finite loss or weights; one line, exit 3, the last complete checkpoint kept."""
+
+
+def _injected_nan(rank: int, step: int) -> bool:
+    """Testing hook: PARLE_HVD_INJECT_NAN="<rank>:<outer step>" poisons that replica's
+    weights after that outer step's inner loop (tests/test_robustness.py)."""
+    v = os.environ.get("PARLE_HVD_INJECT_NAN", "")
+    return v == f"{rank}:{step}"
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -94,6 +107,16 @@ def sync(model_t: list, ref_t: list, ex: Exchange, sched: Optional[tuple], slot:
     ctrl = ex.pack(sched, slot)
     comm.fused_allreduce_(means=ref_t, sums=[ctrl], name="sync")   # all ranks reach this
     return ex.unpack()
+
+
+def exchange_slots(slot: dict, rank: int, world: int) -> torch.Tensor:
+    """For algorithms without a sync of their own: gather every rank's slot row (loss,
+    non-finite and stop flags) in one small float64 allreduce per outer step. At world
+    size 1, no collective. All ranks reach this, once per outer step."""
+    rows = torch.zeros(world, len(SLOT), dtype=torch.float64)
+    rows[rank] = torch.tensor([float(slot[c]) for c in SLOT], dtype=torch.float64)
+    comm.allreduce_sum_([rows], name="slots")   # all ranks reach this
+    return rows
 
 
 def replica_distance(model: nn.Module, ref: nn.Module) -> float:
@@ -239,14 +262,19 @@ def pick_device(want: str) -> torch.device:
 
 # --------------------------------------------------------------------------- the loop
 def train(cfg: Config) -> dict:
-    comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0)
+    comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout)
     if cfg.dist.threads:
         torch.set_num_threads(cfg.dist.threads)
     rank, world = comm.rank(), comm.size()
+    stop = StopSignal(rank)
+    stop.install()
+    dog = Watchdog(cfg.dist.timeout, rank, world)
     if cfg.dist.expect_ranks and cfg.dist.expect_ranks != world:
         raise RunError(f"dist.expect_ranks: this config is meant for {cfg.dist.expect_ranks} ranks, "
                        f"launched with {world} (override dist.expect_ranks=0 to run anyway)")
-    cfg, run_dir, resume_step = _start(cfg, rank)
+    with dog.collective("start", 0):
+        cfg, run_dir, resume_step = _start(cfg, rank)
+    dog.attach(run_dir)
     P, O = cfg.parle, cfg.optim
     dtype = getattr(torch, cfg.model.dtype)
     dev = pick_device(cfg.dist.device)
@@ -268,7 +296,8 @@ def train(cfg: Config) -> dict:
                         image_size=ds.shape[1], dropout=cfg.model.dropout, depth=cfg.model.depth,
                         width=cfg.model.width).to(device=dev, dtype=dtype)
     if P.init == "broadcast" or algo_cls.same_init:
-        comm.broadcast_(list(model.state_dict().values()), name="init")   # all ranks reach this
+        with dog.collective("initial broadcast", 0):
+            comm.broadcast_(list(model.state_dict().values()), name="init")   # all ranks reach this
     ref = copy.deepcopy(model)
     algo = algo_cls(model, cfg, world, rank)
     L = algo.L
@@ -288,21 +317,10 @@ def train(cfg: Config) -> dict:
                    total_passes=cfg.train.epochs, warmup_passes=O.warmup_passes)
         return gk, rk, lr
 
-    log = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
-                    total=K, start_step=resume_step or 0)
     header = {"config": to_dict(cfg), "versions": _versions(), "git_sha": _git_sha(), "world_size": world,
               "device": str(dev), "algo": cfg.algo,
               "controller": comm.controller(), "outer_steps": K, "inner_steps_per_outer": L, "batches_per_pass": nb,
               "params": sum(p.numel() for p in model.parameters()), "resumed_from": resume_step}
-    if rank == 0:
-        (run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
-            json.dumps(header, indent=2))
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.controller()}, {dev}], {K} outer steps of "
-                 f"{L} inner steps, {nb} batches/pass, run dir {run_dir}")
-        log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
-        log.text("run", json.dumps(header, indent=2))
-
     # State carried across outer steps (and checkpoints).
     k0, wall_before, evals, samples, dist_prev = 0, 0.0, 0, 0, 0.0
     last_val = (float("nan"), float("nan"))
@@ -321,19 +339,42 @@ def train(cfg: Config) -> dict:
         comm.load_stats(st["comm"])
         k0, sched, dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
         wall_before, evals, samples, last_val = st["wall"], st["evals"], st["samples"], tuple(st["last_val"])
+
+    # Only now, with the config and any checkpoint accepted, touch the run directory's files.
+    log = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
+                    total=K, start_step=resume_step or 0)
+    dog.on_fail = log.flush
+    if rank == 0:
+        (run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
+            json.dumps(header, indent=2))
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.controller()}, {dev}], {K} outer steps of "
+                 f"{L} inner steps, {nb} batches/pass, run dir {run_dir}")
+        log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
+        log.text("run", json.dumps(header, indent=2))
+
+    if resume_step is not None:
         if rank == 0:
             checkpoint.discard_after(run_dir, resume_step)
             log.info(f"resumed from checkpoint step {resume_step}")
     elif algo.syncs:
         # The first reference, and rank 0's schedule for step 1. All ranks reach this.
-        sched, _ = sync(model_t, ref_t, ex, schedule(1) if rank == 0 else None,
-                        {"loss": 0, "loss_max": 0, "distance": 0, "nonfinite": 0})
+        with dog.collective("first sync", 0):
+            sched, _ = sync(model_t, ref_t, ex, schedule(1) if rank == 0 else None, {c: 0 for c in SLOT})
         dist_prev = replica_distance(model, ref)
         algo.after_sync(model_t, ref_t)
     else:
         sched = schedule(1)
 
     def save_ckpt(k: int) -> None:
+        try:
+            _save_ckpt(k)
+        except OSError as e:
+            last = checkpoint.latest_complete(run_dir, world)
+            raise CheckpointError(f"run.dir: cannot write checkpoint step {k} in {run_dir}/checkpoints "
+                                  f"({e.strerror or e}); the last complete checkpoint (step {last}) is kept") from None
+
+    def _save_ckpt(k: int) -> None:
         state = {"step": k, "world": world, "params": header["params"], "algo": cfg.algo,
                  "model": model.state_dict(), "ref": ref.state_dict(), "algo_state": algo.state_dict(),
                  "sampler": sampler.state_dict(), "aug_gen": aug_gen.get_state(), "rng_torch": torch.get_rng_state(),
@@ -346,6 +387,7 @@ def train(cfg: Config) -> dict:
 
     t_start = time.monotonic()
     model.train()
+    stopped_at = None
     for k in range(k0 + 1, K + 1):
         t_step = time.monotonic()
         gk, rk, lr = sched                          # rank 0's values, received at the last sync
@@ -363,18 +405,24 @@ def train(cfg: Config) -> dict:
             algo.inner_step(gk=gk, rk=rk, lr=lr, xbar=ref_params)
             losses.append(loss.detach())
         algo.end_outer(ref_params, rk=rk, lr=lr)    # parle: the elastic pull toward the reference
+        if _injected_nan(rank, k):
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
         lt = torch.stack(losses).double()
+        finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
         slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": dist_prev,
-                "nonfinite": float(not bool(torch.isfinite(lt).all()))}
+                "nonfinite": float(not finite), "stop": float(stop.requested is not None)}
         if algo.syncs:
             # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
-            sched, rows = sync(model_t, ref_t, ex, schedule(k + 1) if rank == 0 else None, slot)
+            with dog.collective("sync", k):
+                sched, rows = sync(model_t, ref_t, ex, schedule(k + 1) if rank == 0 else None, slot)
             dist_prev = replica_distance(model, ref)
             algo.after_sync(model_t, ref_t)
         else:
-            # No collective: every rank computes the (deterministic) schedule; rows are rank 0's own.
+            # Every rank computes the (deterministic) schedule; one small allreduce of the slots.
             sched = schedule(k + 1)
-            rows = torch.tensor([[slot[c] for c in SLOT]], dtype=torch.float64)
+            with dog.collective("slots", k):
+                rows = exchange_slots(slot, rank, world)
         samples += world * L * cfg.train.batch_size
 
         if rank == 0 and (k % log_every_steps == 0 or k == K):
@@ -392,15 +440,20 @@ def train(cfg: Config) -> dict:
             if algo.syncs:
                 sc.update({"parle/replica_distance": rows[:, 2].mean(), "parle/replica_distance_max": rows[:, 2].max()})
             log.scalars(k, sc)
-        if bool(rows[:, 3].any()):
+        if bool(rows[:, 3].any()):            # every rank sees the same rows: all stop here, together
             bad = [i for i in range(len(rows)) if rows[i, 3] > 0]
-            raise RunError(f"non-finite training loss on rank(s) {bad} at outer step {k}; "
-                           f"last complete checkpoint kept in {run_dir}/checkpoints")
+            last = checkpoint.latest_complete(run_dir, world)
+            log.flush()
+            raise DivergenceError(f"non-finite loss or weights on rank(s) {bad} at outer step {k}; stopped. "
+                                  f"The last complete checkpoint (step {last}) is kept in {run_dir}/checkpoints")
+        if bool(rows[:, 4].any()):
+            stopped_at = k
 
-        if k % eval_every_steps == 0 or k == K:
-            algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
-            recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
-            acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev, [dist_prev])
+        if (k % eval_every_steps == 0 or k == K) and stopped_at is None:
+            with dog.collective("evaluation", k):
+                algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
+                recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
+                acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev, [dist_prev])
             if algo.syncs:
                 spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
             evals += 1
@@ -416,8 +469,14 @@ def train(cfg: Config) -> dict:
             model.train()
         log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {last_val[0]:.4f}")
 
-        if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K:
+        if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K or stopped_at is not None:
             save_ckpt(k)
+        if stopped_at is not None:
+            who = [i for i in range(len(rows)) if rows[i, 4] > 0]
+            log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
+                     f"resume with run.resume=true run.dir={run_dir}")
+            log.close()
+            return {"stopped_at": k, "run_dir": str(run_dir)}
 
     wall = wall_before + (time.monotonic() - t_start)
     cs = comm.stats()
@@ -431,8 +490,12 @@ def train(cfg: Config) -> dict:
                "controller": comm.controller(), "device": str(dev), "resumed_from": resume_step,
                "config": to_dict(cfg)}
     if rank == 0:
-        torch.save(ref.state_dict(), run_dir / "final.pt")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        try:   # both written whole or not at all
+            checkpoint.atomic_save(ref.state_dict(), run_dir / "final.pt")
+            checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        except OSError as e:
+            raise CheckpointError(f"run.dir: cannot write final.pt/summary.json in {run_dir} ({e.strerror or e}); "
+                                  f"the last complete checkpoint is kept") from None
         log.info(f"done: val accuracy {last_val[0]:.4f}, {wall:.1f} s, {cs.allreduce_calls} allreduces, "
                  f"{cs.bytes / 1e6:.2f} MB; {run_dir}/summary.json")
     log.close()

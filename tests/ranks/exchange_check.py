@@ -18,7 +18,8 @@ for dtype in (torch.float32, torch.float64):
     my_sched = (0.0123456789, 1.23456789, 0.1) if r == 0 else (99.0, 98.0, 97.0)
     before = comm.stats().allreduce_calls
     sched, rows = sync(model_t, ref_t, ex, my_sched,
-                       {"loss": 1.5 + r, "loss_max": 2.5 + r, "distance": 10.0 * (r + 1), "nonfinite": 0})
+                       {"loss": 1.5 + r, "loss_max": 2.5 + r, "distance": 10.0 * (r + 1), "nonfinite": 0,
+                        "stop": float(r == 1)})
     res[str(dtype)] = {"calls": comm.stats().allreduce_calls - before, "sched": list(sched),
                        "rows": rows.tolist(), "ref": [t.double().flatten().tolist() for t in ref_t],
                        "model_untouched": all(bool((t == v).all()) for t, v in zip(model_t, [r, 2.0 * r]))}

@@ -1,0 +1,269 @@
+"""Nothing lost: exact resume after kill -9 at several moments, SIGTERM/SIGINT stops with a
+checkpoint, divergence stops naming rank and step, a silent rank is named within the
+timeout, and bad input ends with one line and exit 2 without damaging anything."""
+import hashlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from multirank import ROOT, MultiRankError, RankJob, kill_tree, run_ranks
+from parle_hvd import checkpoint
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+pytestmark = pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")
+TRAIN = ROOT / "tests/ranks/train_rank.py"
+CFG = ["--config", "configs/fashion_parle.yaml"]
+SMALL = ["data.train_limit=2560", "data.test_limit=1000", "parle.sync_period=5", "train.batch_size=64",
+         "run.progress=lines", "eval.bn_batches=5", "eval.every=1", "run.log_every=1"]
+
+
+def _final(d):
+    return torch.load(Path(d) / "final.pt")
+
+
+def _rank_proc(job, rank):
+    """The python process of ``rank`` under a horovodrun job."""
+    for p in psutil.Process(job.proc.pid).children(recursive=True):
+        try:
+            if "train_rank.py" in " ".join(p.cmdline()) and p.environ().get("HOROVOD_RANK") == str(rank):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
+def _wait_for(cond, job, timeout=120, what=""):
+    t0 = time.monotonic()
+    while not cond():
+        assert job.proc.poll() is None, f"job ended before {what}:\n{job.output}"
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}:\n{job.output}"
+        time.sleep(0.01)
+
+
+def _metrics_lines(d):
+    f = Path(d) / "metrics.jsonl"
+    return len(f.read_text().splitlines()) if f.exists() else 0
+
+
+# ------------------------------------------------------------------------ kill -9 and resume
+@pytest.mark.multirank
+def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path):
+    common = [*CFG, *SMALL, "train.epochs=3", "run.ckpt_every=3"]       # 24 outer steps, checkpoints every 3
+    ref = tmp_path / "ref"
+    run_ranks(TRAIN, args=[*common, f"run.dir={ref}"], timeout=240, reports=False)
+    want = _final(ref)
+    K = json.loads((ref / "summary.json").read_text())["outer_steps"]
+
+    def tmp_file_present(d):
+        c = d / "checkpoints"
+        return c.is_dir() and any(".tmp" in p.name for s in c.iterdir() if s.is_dir() for p in s.iterdir())
+
+    moments = {
+        "after the first checkpoint": (lambda d: checkpoint.latest_complete(d, 2) is not None, {}, None),
+        "during a checkpoint write": (tmp_file_present, {"PARLE_HVD_CKPT_DELAY": "0.5"}, None),
+        "late in the run": (lambda d: _metrics_lines(d) >= 0.7 * K, {}, None),
+        "rank 1 only, mid-run": (lambda d: _metrics_lines(d) >= 0.4 * K, {}, 1),
+    }
+    for i, (name, (cond, env, only_rank)) in enumerate(moments.items()):
+        d = tmp_path / f"kill{i}"
+        job = RankJob([TRAIN, *common, f"run.dir={d}"], env=env)
+        _wait_for(lambda: cond(d), job, what=name)
+        if only_rank is None:
+            job.kill()                                  # SIGKILL to every process of the job
+        else:
+            _rank_proc(job, only_rank).kill()           # one rank dies; the launcher ends the rest
+            job.wait(60)
+            kill_tree(job.proc.pid)
+        assert not (d / "summary.json").exists(), name
+        done = checkpoint.latest_complete(d, 2)
+        assert done is not None and done < K, name
+        out = run_ranks(TRAIN, args=[*common, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
+        assert "resumed from checkpoint step" in out[0]["_output"], name
+        got = _final(d)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (name, k)
+
+
+# ------------------------------------------------------------------------ signals
+@pytest.mark.multirank
+def test_sigterm_on_one_rank_stops_all_with_checkpoint_and_exit_0(tmp_path):
+    d = tmp_path / "run"
+    job = RankJob([TRAIN, *CFG, *SMALL, "train.epochs=50", "run.ckpt_every=1000", f"run.dir={d}"])
+    _wait_for(lambda: _metrics_lines(d) >= 3, job, what="training")
+    t0 = time.monotonic()
+    _rank_proc(job, 1).send_signal(signal.SIGTERM)      # as SLURM does before a preemption
+    rc = job.wait(60)
+    elapsed = time.monotonic() - t0
+    print(f"\nSIGTERM to rank 1 -> job exit {rc} after {elapsed:.2f} s")
+    assert rc == 0, job.output
+    assert elapsed < 10, elapsed
+    assert "stopped after outer step" in job.output and "SIGTERM" in job.output
+    step = checkpoint.latest_complete(d, 2)
+    assert step is not None and step >= 3
+    # and the run continues from there
+    out = run_ranks(TRAIN, args=[*CFG, *SMALL, "train.epochs=1", f"run.dir={d}", "run.resume=true"],
+                    timeout=120, reports=False, expect_fail=True)
+    assert "resumed from checkpoint step" in out[0]["_output"]
+
+
+def test_second_sigint_exits_at_once(tmp_path):
+    # long outer steps (L = 400) so that only the second SIGINT can explain a quick exit
+    p = subprocess.Popen([sys.executable, "train.py", *CFG, "dist.backend=none", "parle.sync_period=400",
+                          "train.batch_size=32", "run.progress=lines", f"run.dir={tmp_path / 'r'}"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                          "PYTHONPATH": str(ROOT)})
+    t0 = time.monotonic()
+    while not (tmp_path / "r" / "run.json").exists():
+        assert time.monotonic() - t0 < 60 and p.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t1 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=10)
+    out = p.stdout.read().decode()
+    assert rc == 130 and time.monotonic() - t1 < 2, (rc, out)
+    assert "second SIGINT: exiting now" in out
+
+
+# ------------------------------------------------------------------------ divergence
+@pytest.mark.multirank
+def test_divergence_on_one_rank_names_it_and_keeps_the_last_checkpoint(tmp_path):
+    d = tmp_path / "run"
+    out = run_ranks(TRAIN, args=[*CFG, *SMALL, "train.epochs=3", "run.ckpt_every=3", f"run.dir={d}"],
+                    env={"PARLE_HVD_INJECT_NAN": "1:7"}, timeout=120, reports=False, expect_fail=True)
+    o = out[0]["_output"]
+    assert out[0]["_rc"] != 0
+    assert "non-finite loss or weights on rank(s) [1] at outer step 7" in o, o
+    assert "last complete checkpoint (step 6)" in o and "Traceback" not in o
+    assert checkpoint.latest_complete(d, 2) == 6 and not checkpoint.step_dir(d, 7).exists()
+    st = checkpoint.load(d, 6, 1)
+    assert all(bool(torch.isfinite(v).all()) for v in st["model"].values() if v.is_floating_point())
+
+
+# ------------------------------------------------------------------------ a silent rank
+@pytest.mark.multirank
+def test_silent_rank_is_named_within_the_timeout(tmp_path):
+    d = tmp_path / "run"
+    job = RankJob([TRAIN, *CFG, *SMALL, "train.epochs=50", "dist.timeout=8", f"run.dir={d}"])
+    try:
+        _wait_for(lambda: _metrics_lines(d) >= 3, job, what="training")
+        victim = _rank_proc(job, 1)
+        victim.suspend()                                 # SIGSTOP: alive, silent
+        t0 = time.monotonic()
+        rc = job.wait(60)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_tree(job.proc.pid)
+    print(f"\nrank 1 stopped -> job exit {rc} after {elapsed:.1f} s")
+    assert rc != 0 and elapsed < 8 + 15, (rc, elapsed)
+    assert "waited 8 s in the sync collective" in job.output and "rank 1 stopped answering" in job.output, job.output
+
+
+# ------------------------------------------------------------------------ bad input
+def _digest(d: Path) -> dict:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file() and ".heartbeat" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A complete 1-process run with checkpoints, for the resume cases."""
+    d = tmp_path_factory.mktemp("done") / "run"
+    r = subprocess.run([sys.executable, "train.py", *CFG, *SMALL, "dist.backend=none", "train.epochs=0.5",
+                        "run.ckpt_every=1", f"run.dir={d}"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(finished_run, tmp_path_factory):
+    """The finished run's newest checkpoint, relabelled as written by a 2-rank job."""
+    import shutil
+    d = tmp_path_factory.mktemp("w2") / "run"
+    shutil.copytree(finished_run, d)
+    step = checkpoint.latest_complete(d, 1)
+    st = checkpoint.load(d, step, 0)
+    st["world"] = 2
+    checkpoint.atomic_save(st, checkpoint.step_dir(d, step) / "rank-0.pt")
+    return d
+
+
+def _limit_fsize():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+
+def _bad_cases(tmp, done, done2):
+    trunc = tmp / "trunc"
+    trunc.mkdir(exist_ok=True)
+    for f in FASHION.iterdir():
+        (trunc / f.name).write_bytes(f.read_bytes())
+    t = trunc / "t10k-labels-idx1-ubyte.gz"
+    t.write_bytes(t.read_bytes()[:-40])
+    badyaml = tmp / "bad.yaml"
+    badyaml.write_text("parle:\n  sync_period: [1, 2\n")
+    cifar = tmp / "cifar" / "cifar-10-batches-py"
+    cifar.mkdir(parents=True, exist_ok=True)
+    for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (cifar / n).write_bytes(b"\x80\x02}q\x00(garbage")
+    ro = tmp / "ro"
+    ro.mkdir(exist_ok=True)
+    return [
+        ("missing dataset directory", ["data.dir=/nonexistent/fashion"], "/nonexistent/fashion does not exist", None),
+        ("truncated dataset file", [f"data.dir={trunc}"], "t10k-labels-idx1-ubyte.gz: cannot read", None),
+        ("corrupt CIFAR pickles", ["data.name=cifar10", f"data.dir={cifar.parent}", "model.name=allcnn"],
+         "truncated or corrupt CIFAR pickle", None),
+        ("YAML syntax error", ["--config", str(badyaml)], "YAML syntax error", None),
+        ("unknown config key", ["parle.sync_perod=3"], "parle.sync_perod: unknown key", None),
+        ("wrong type", ["train.epochs=lots"], "train.epochs: expected a number", None),
+        ("L < 1", ["parle.sync_period=0"], "parle.sync_period: must be >= 1", None),
+        ("negative lr", ["optim.lr=-0.1"], "optim.lr: must be > 0", None),
+        ("frac not in (0, 1]", ["data.split=frac", "data.frac=1.5"], "data.frac: must be in (0, 1]", None),
+        ("batch larger than a replica's data", ["data.train_limit=100", "train.batch_size=128"],
+         "larger than a replica's data", None),
+        ("world size the config cannot use", ["dist.expect_ranks=3"], "meant for 3 ranks, launched with 1", None),
+        ("unwritable run directory", ["run.dir=/proc/parle"], "run.dir: cannot write", None),
+        ("resume with no checkpoint", [f"run.dir={ro}", "run.resume=true"], "no complete checkpoint", None),
+        ("checkpoint from another model", [f"run.dir={done}", "run.resume=true", "model.name=allcnn"],
+         "is for parle on 1 ranks with 132220 parameters", done),
+        ("checkpoint from another world size", [f"run.dir={done2}", "run.resume=true"],
+         "is for parle on 2 ranks", done2),
+        ("full disk during a checkpoint", [f"run.dir={done}", "run.resume=true", "train.epochs=2", "run.ckpt_every=1",
+                                           "parle.sync_period=5"],
+         "cannot write checkpoint", done),
+        ("unknown algorithm", ["algo=adam"], "algo: must be one of", None),
+    ]
+
+
+def test_bad_input_table(tmp_path, finished_run, two_rank_checkpoint):
+    cases = _bad_cases(tmp_path, finished_run, two_rank_checkpoint)
+    assert len(cases) >= 15
+    for name, args, needle, protect in cases:
+        before = _digest(protect) if protect else None
+        argv = [*args[:2], *SMALL[:2], *args[2:]] if args[:1] == ["--config"] else [*CFG, *SMALL[:2], *args]
+        r = subprocess.run([sys.executable, "train.py", *argv, "dist.backend=none", "run.progress=lines"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           preexec_fn=_limit_fsize if "full disk" in name else None)
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.returncode == 2, (name, r.returncode, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr and len(lines) == 1 and lines[0].startswith("error: "), (name, r.stderr)
+        assert needle in lines[0], (name, lines[0])
+        if protect:
+            after = _digest(protect)
+            # checkpoints and the finished run's results are never touched; a refused resume
+            # touches nothing at all (a resume that fails later may append to the logs)
+            keep = {k for k in before if k.startswith("checkpoints/") or k in ("final.pt", "summary.json")} \
+                if "full disk" in name else set(before)
+            assert {k: after.get(k) for k in keep} == {k: before[k] for k in keep}, f"{name}: a file was changed"
