@@ -69,7 +69,9 @@ def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path):
 
     moments = {
         "after the first checkpoint": (lambda d: checkpoint.latest_complete(d, 2) is not None, {}, None),
-        "during a checkpoint write": (tmp_file_present, {"PARLE_HVD_CKPT_DELAY": "0.5"}, None),
+        # a later checkpoint is being written (the temporary file exists) while an earlier one is complete
+        "during a checkpoint write": (lambda d: checkpoint.latest_complete(d, 2) is not None and tmp_file_present(d),
+                                      {"PARLE_HVD_CKPT_DELAY": "0.5"}, None),
         "late in the run": (lambda d: _metrics_lines(d) >= 0.7 * K, {}, None),
         "rank 1 only, mid-run": (lambda d: _metrics_lines(d) >= 0.4 * K, {}, 1),
     }
@@ -145,7 +147,10 @@ def test_divergence_on_one_rank_names_it_and_keeps_the_last_checkpoint(tmp_path)
     o = out[0]["_output"]
     assert out[0]["_rc"] != 0
     assert "non-finite loss or weights on rank(s) [1] at outer step 7" in o, o
-    assert "last complete checkpoint (step 6)" in o and "Traceback" not in o
+    assert "last complete checkpoint (step 6)" in o
+    # no traceback from our ranks (horovodrun itself prints one when a worker exits non-zero)
+    ranks_out = "\n".join(l for l in o.splitlines() if l.startswith(("[0]<", "[1]<")))
+    assert "Traceback" not in ranks_out, ranks_out
     assert checkpoint.latest_complete(d, 2) == 6 and not checkpoint.step_dir(d, 7).exists()
     st = checkpoint.load(d, 6, 1)
     assert all(bool(torch.isfinite(v).all()) for v in st["model"].values() if v.is_floating_point())
