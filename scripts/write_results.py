@@ -136,9 +136,7 @@ if (src / "report.md").exists():
     out += ["## Comparison report (same budget, 2 ranks; sgd and entropy one process)", "", f"`{cmd}` ({t} s)", ""]
     out += [l.replace("](", "](results/") if l.startswith("![") else l for l in rep[4:]]
     out += ["", "For context, the paper's closest row (LeNet on MNIST, not Fashion-MNIST, so not comparable one to "
-            "one; PARLE.md): SGD 0.50 %, Entropy-SGD 0.49 %, Elastic-SGD 0.48 % (n=6), Parle 0.44 % (n=6). Here, "
-            "with 2 replicas and 8 passes, the algorithms end within about one point of each other; elastic "
-            "and localsgd reach the lowest error, Parle slightly below dpsgd.", ""]
+            "one; PARLE.md): SGD 0.50 %, Entropy-SGD 0.49 %, Elastic-SGD 0.48 % (n=6), Parle 0.44 % (n=6).", ""]
 
 v, cmd, t = load("split_data")
 paper = {"parle_n3_third": "-", "sgd_third": "-", "parle_n2_half": "-", "sgd_half": "-", "sgd_full": "-"}
