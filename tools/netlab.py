@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from .lab import Lab
+
 
 class NetLabError(RuntimeError):
     pass
@@ -53,7 +55,7 @@ def available() -> Optional[str]:
     return None
 
 
-class TwoHosts:
+class TwoHosts(Lab):
     """``n`` hosts (default 2) named hostA, hostB, ... on a private /24."""
 
     def __init__(self, rate: Optional[str] = None, n: int = 2, burst: str = "64kb", latency: str = "200ms"):
@@ -74,17 +76,6 @@ class TwoHosts:
         self._made = {"bridge": False, "netns": [], "veth": []}
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "TwoHosts":
-        try:
-            self._up()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _up(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="parle_netlab_"))
         d = self.dir

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .lab import Lab
+
 PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm", "/usr/lib/slurm-wlm",
                "/usr/lib64/slurm")
 
@@ -44,7 +46,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class SlurmCluster:
+class SlurmCluster(Lab):
     def __init__(self, cpus: Optional[int] = None, node: str = "parlenode"):
         why = available()
         if why:
@@ -57,17 +59,6 @@ class SlurmCluster:
     @property
     def env(self) -> dict:
         return {**os.environ, "SLURM_CONF": str(self.dir / "slurm.conf")}
-
-    def __enter__(self) -> "SlurmCluster":
-        try:
-            self._up()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _up(self) -> None:
         d = self.dir = Path(tempfile.mkdtemp(prefix="parle_slurmlab_"))
