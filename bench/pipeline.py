@@ -63,7 +63,7 @@ def main(argv=None):
         t = time.perf_counter()
         for i in range(n // bs):
             b = perm[i * bs:(i + 1) * bs]
-            xb = to_input(augment_batch(xt[b], g), MEAN, STD)
+            to_input(augment_batch(xt[b], g), MEAN, STD)
             _ = yt[b]
         return (n // bs) / (time.perf_counter() - t)
 

@@ -6,7 +6,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 
 class RunLogger:

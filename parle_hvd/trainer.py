@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, comm
-from .config import Config, ConfigError, to_dict
-from .data import DataError, ReplicaSampler, augment_batch, load_dataset, replica_indices, to_input, _gen
+from .config import Config, to_dict
+from .data import ReplicaSampler, augment_batch, load_dataset, replica_indices, to_input, _gen
 from .logger import RunLogger
 from .models import build_model, sync_tensors
 from .algorithms import ALGORITHMS

@@ -111,8 +111,8 @@ def test_split_data_windows_same_step_count_on_every_rank(tmp_path):
     """data.split=frac: each replica a window of 30% of the data; both ranks run the same
     number of outer steps (else the collectives would hang) and the run completes."""
     run = tmp_path / "run"
-    out = run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *COMMON, "data.split=frac",
-                                 "data.frac=0.3", f"run.dir={run}"], timeout=240, reports=False)
+    run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *COMMON, "data.split=frac",
+                     "data.frac=0.3", f"run.dir={run}"], timeout=240, reports=False)
     s = json.loads((run / "summary.json").read_text())
     nb = round(0.3 * N_TRAIN) // BS
     assert s["outer_steps"] == math.ceil(nb / L) and s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]

@@ -6,7 +6,6 @@ import time
 
 import psutil
 import pytest
-import torch
 
 from multirank import ROOT, MultiRankError, run_ranks
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from multirank import ROOT, MultiRankError, RankJob, kill_tree, run_ranks
+from multirank import ROOT, RankJob, kill_tree, run_ranks
 from parle_hvd import checkpoint
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")

@@ -99,7 +99,7 @@ def test_exact_resume_after_kill(tmp_path):
     assert not (b / "summary.json").exists() and killed_at < s_a["outer_steps"]
     out = run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *common, f"run.dir={b}",
                                  "run.resume=true"], timeout=240, reports=False)
-    assert f"resumed from checkpoint step" in out[0]["_output"]
+    assert "resumed from checkpoint step" in out[0]["_output"]
     s_b = json.loads((b / "summary.json").read_text())
     assert s_b["resumed_from"] >= killed_at and s_b["outer_steps"] == s_a["outer_steps"]
     fa, fb = _final(a), _final(b)
