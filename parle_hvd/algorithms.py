@@ -53,6 +53,11 @@ class Algorithm:
     def form_reference(self, model_t: list, ref_t: list) -> None:
         """Algorithms without syncs: make ``ref_t`` the model to evaluate. All ranks reach this."""
 
+    def shared_tensors(self) -> list:
+        """State that is the same on every replica besides the reference (elastic mode
+        sends it to a replica that joins)."""
+        return []
+
     def state_dict(self) -> dict:
         return {}
 
@@ -215,6 +220,9 @@ class DiLoCoAlgo(Algorithm):
                            momentum=D.outer_momentum, nesterov=True)
         _copy_(ref_t[:n], self.theta)          # the reference is the global model
         _copy_(model_t, ref_t)                 # every replica restarts from it (BN stats averaged)
+
+    def shared_tensors(self):
+        return self.theta + self.bufs          # the global model and its outer momentum
 
     def state_dict(self):
         return {"opt": self.opt.state_dict(), "theta": [t.clone() for t in self.theta],

@@ -96,7 +96,10 @@ def steps(root: Path) -> list[int]:
 
 
 def prune(root: Path, rank: int, keep: int) -> None:
-    """Remove this rank's files older than its ``keep`` newest; empty step dirs go too."""
+    """Remove this rank's files older than its ``keep`` newest; empty step dirs go too.
+    Rank 0 also removes whole step dirs older than its ``keep`` newest: the files of ranks
+    that no longer exist (an elastic run that shrank) would otherwise stay for ever, and no
+    rank is more than one checkpoint behind rank 0."""
     mine = [s for s in steps(root) if (step_dir(root, s) / f"rank-{rank}.pt").exists()]
     for s in mine[:-keep]:
         d = step_dir(root, s)
@@ -105,13 +108,18 @@ def prune(root: Path, rank: int, keep: int) -> None:
             d.rmdir()      # only when no other rank's file is left
         except OSError:
             pass
+    if rank == 0 and len(mine) >= keep:
+        for s in steps(root):
+            if s < mine[-keep]:
+                shutil.rmtree(step_dir(root, s), ignore_errors=True)
 
 
 def latest_complete(root: Path, world: int) -> Optional[int]:
-    """The newest step for which every rank 0..world-1 has a file, or None."""
+    """The newest step for which every rank 0..world-1 has a file (and no rank beyond:
+    an elastic run's step written by more ranks is not this world's), or None."""
     for s in reversed(steps(root)):
         d = step_dir(root, s)
-        if all((d / f"rank-{r}.pt").is_file() for r in range(world)):
+        if all((d / f"rank-{r}.pt").is_file() for r in range(world)) and not (d / f"rank-{world}.pt").exists():
             return s
     return None
 

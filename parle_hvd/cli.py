@@ -8,12 +8,13 @@ import os
 import signal
 import sys
 
-USAGE = """train.py [--config FILE] [--resume] [key.sub=value ...]
+USAGE = """train.py [--config FILE] [--resume] [--elastic] [key.sub=value ...]
 
 Launch:
   horovodrun -np 2 -H localhost:2 python train.py --config configs/fashion_parle.yaml
   mpirun -np 4 -H node1:2,node2:2 python train.py --config configs/fashion_parle.yaml parle.sync_period=50
-  python train.py --config configs/fashion_parle.yaml train.epochs=1      # one process"""
+  python train.py --config configs/fashion_parle.yaml train.epochs=1      # one process
+  PARLE_HVD_HOSTS_FILE=hosts.txt NP=4 MIN_NP=2 MAX_NP=8 launch/elastic.sh  # ranks may leave and join"""
 
 
 def _rank_from_env() -> int:
@@ -33,9 +34,14 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None)
     ap.add_argument("--resume", action="store_true", help="same as run.resume=true")
+    ap.add_argument("--elastic", action="store_true", help="same as dist.elastic=true")
     ap.add_argument("-h", "--help", action="store_true")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    def one_line_error(message: str):
+        print(f"error: {message} (train.py --help for usage)", file=sys.stderr, flush=True)
+        sys.exit(2)
+    ap.error = one_line_error
+    args = ap.parse_intermixed_args(argv)     # flags may come after key=value overrides
     if args.help:
         print(f"usage: {USAGE}\n\nConfiguration keys (YAML sections, or key.sub=value on the command line):\n"
               f"{help_text()}")
@@ -48,7 +54,8 @@ def main(argv=None) -> int:
         from .checkpoint import CheckpointError
         from .data import DataError
         from .trainer import DivergenceError, RunError, train
-        overrides = list(args.overrides) + (["run.resume=true"] if args.resume else [])
+        overrides = (list(args.overrides) + (["run.resume=true"] if args.resume else [])
+                     + (["dist.elastic=true"] if args.elastic else []))
         cfg = make_config(args.config, overrides)
         train(cfg)
     except (ConfigError, DataError, RunError, CheckpointError) as e:

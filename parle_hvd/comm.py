@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 _hvd = None          # the horovod.torch module once initialised, else None
-_launched_env = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+_launched_env = ("HOROVOD_RANK", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 
 
 @dataclass
@@ -82,9 +82,13 @@ def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0) 
         hvd.init()
         _hvd = hvd
     if set_threads:
-        # Ranks on one host share its cores; oversubscribed intra-op threads thrash.
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // local_size()))
+        set_threads_per_rank()
+
+
+def set_threads_per_rank() -> None:
+    """Ranks on one host share its cores; oversubscribed intra-op threads thrash."""
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_size()))
 
 
 def is_initialized() -> bool:
@@ -258,6 +262,68 @@ def distributed_optimizer(opt: torch.optim.Optimizer, named_parameters, *, fp16:
     return dopt
 
 
+# --------------------------------------------------------------------------- elastic mode
+def elastic_launched() -> bool:
+    """True when horovodrun started this process in elastic mode (--min-np, discovery script)."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def elastic_state(*, save, restore, sync, reset):
+    """A Horovod elastic state whose save/restore/sync/reset are the trainer's callbacks.
+
+    It departs from Horovod's ``State.commit`` in one way: Horovod checks for host changes
+    with two broadcasts at every commit; here the coordinator (rank 0, the only worker the
+    driver notifies) reads its notifications with ``host_update_pending()`` and sends the
+    answer inside the sync allreduce, and ``commit(update)`` raises Horovod's
+    HostsUpdatedInterrupt on every rank alike. So elastic mode adds no collective."""
+    from horovod.common.elastic import State
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+
+    class _State(State):
+        def __init__(self):
+            super().__init__(bcast_object=broadcast_object, get_rank=rank)
+
+        def save(self):
+            save()
+
+        def restore(self):
+            restore()
+
+        def sync(self):
+            sync()
+
+        def reset(self):
+            reset()
+
+        def host_update_pending(self) -> int:
+            """Local: the host changes the driver announced since the last call, as Horovod's
+            HostUpdateResult bits (1 removed, 2 added), or 0."""
+            update = 0
+            while not self._host_messages.empty():
+                ts, res = self._host_messages.get()
+                if ts > self._last_updated_timestamp:
+                    self._last_updated_timestamp = ts
+                    update |= int(res)
+            return update
+
+        def commit(self, update: int = 0) -> None:
+            """Save; then, if any rank reported a host change (``update``, the same on every
+            rank), interrupt so that Horovod re-forms the world. Removals alone skip the
+            state sync (the survivors already agree)."""
+            self.save()
+            if update:
+                raise HostsUpdatedInterrupt(update == 1)
+
+    return _State()
+
+
+def elastic_run(fn, state, *args, **kwargs):
+    """``hvd.elastic.run``: call ``fn(state, ...)``; when a rank fails (HorovodInternalError)
+    restore the last commit, re-form the world and sync; when hosts change (interrupt raised
+    by ``state.commit``) re-form the world and sync. Returns ``fn``'s result."""
+    return _hvd.elastic.run(fn)(state, *args, **kwargs)
+
+
 def shutdown() -> None:
     """Shut Horovod down without a barrier (a barrier would hang if a rank already died)."""
     global _hvd
@@ -274,4 +340,5 @@ __all__ = [
     "CommStats", "launched", "init", "is_initialized", "rank", "size", "local_rank", "local_size",
     "controller", "stats", "reset_stats", "load_stats", "fused_allreduce_", "allreduce_mean_",
     "allreduce_sum_", "allreduce_each_", "broadcast_", "broadcast_object", "distributed_optimizer", "shutdown", "nbytes",
+    "elastic_launched", "elastic_state", "elastic_run",
 ]

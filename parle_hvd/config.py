@@ -213,6 +213,8 @@ class DistConfig:
     expect_ranks: int = _f(0, "the number of ranks this config is meant for (0 = any); a mismatch stops the run")
     device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
                      ["auto", "cpu", "cuda"])
+    elastic: bool = _f(False, "Horovod elastic mode (horovodrun --min-np/--host-discovery-script, "
+                       "launch/elastic.sh): ranks may leave and join; state committed at every sync")
 
     def __post_init__(self):
         _check(self.threads >= 0, "dist.threads", "must be >= 0")
@@ -237,6 +239,18 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self):
+        if self.dist.elastic:
+            _check(self.algo in ELASTIC_ALGOS, "dist.elastic",
+                   f"needs an algorithm with a reference ({', '.join(ELASTIC_ALGOS)}), not algo={self.algo}")
+            _check(self.dist.expect_ranks == 0, "dist.expect_ranks",
+                   "must be 0 with dist.elastic (the number of ranks changes)")
+
+
+# Elastic mode keeps each replica's own state across membership changes and hands a
+# joining replica the reference: that needs an algorithm that forms one at every sync.
+ELASTIC_ALGOS = ("parle", "elastic", "localsgd", "diloco")
 
 
 # --------------------------------------------------------------------------- building

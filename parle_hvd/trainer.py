@@ -47,7 +47,7 @@ from .checkpoint import CheckpointError
 from .watchdog import StopSignal, Watchdog
 from .parle import lr_at, scoping
 
-SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop")   # one row per replica in every sync
+SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop", "hosts")   # one row per replica in every sync
 SCHED = ("gk", "rk", "lr")                               # rank 0's values for the next step
 
 
@@ -260,243 +260,447 @@ def pick_device(want: str) -> torch.device:
     return torch.device("cuda", comm.local_rank())
 
 
-# --------------------------------------------------------------------------- the loop
-def train(cfg: Config) -> dict:
-    comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout)
-    if cfg.dist.threads:
-        torch.set_num_threads(cfg.dist.threads)
-    rank, world = comm.rank(), comm.size()
-    stop = StopSignal(rank)
-    stop.install()
-    dog = Watchdog(cfg.dist.timeout, rank, world)
-    if cfg.dist.expect_ranks and cfg.dist.expect_ranks != world:
-        raise RunError(f"dist.expect_ranks: this config is meant for {cfg.dist.expect_ranks} ranks, "
-                       f"launched with {world} (override dist.expect_ranks=0 to run anyway)")
-    with dog.collective("start", 0):
-        cfg, run_dir, resume_step = _start(cfg, rank)
-    dog.attach(run_dir)
-    P, O = cfg.parle, cfg.optim
-    dtype = getattr(torch, cfg.model.dtype)
-    dev = pick_device(cfg.dist.device)
-    algo_cls = ALGORITHMS[cfg.algo]
+# --------------------------------------------------------------------------- the run
+class Trainer:
+    """One rank's run: its replica, the reference, and the loop.
 
-    # Data: every replica holds the whole dataset in memory (uint8) and its own window/order;
-    # data-parallel SGD gives each rank a disjoint shard instead.
-    ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data)
-    split, frac = (("frac", 1.0 / world) if algo_cls.shard_data and world > 1 else (cfg.data.split, cfg.data.frac))
-    idx = replica_indices(len(ds.train_x), rank=rank, world=world, split=split, frac=frac, seed=cfg.train.seed)
-    sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=rank)
-    nb = sampler.nb
+    Without elastic mode ``run()`` is ``start()`` (rank 0 resolves the run directory and
+    any checkpoint; every rank builds its replica; then the first sync, or the resume)
+    followed by ``loop()``. In elastic mode (``dist.elastic``) Horovod's ``elastic.run``
+    drives the same ``loop()``; what it commits at the end of every outer step is this
+    rank's checkpoint dict, kept in memory, and ``_elastic_sync`` takes the place of
+    ``start()`` (docs/robustness.md, "Elastic mode")."""
 
-    # Replica: independent initialisation (seed + rank) unless asked to start from rank 0's.
-    torch.manual_seed(cfg.train.seed + rank)
-    random.seed(cfg.train.seed + rank)
-    np.random.seed((cfg.train.seed + rank) % 2**32)
-    model = build_model(cfg.model.name, num_classes=ds.num_classes, in_channels=ds.shape[0],
-                        image_size=ds.shape[1], dropout=cfg.model.dropout, depth=cfg.model.depth,
-                        width=cfg.model.width).to(device=dev, dtype=dtype)
-    if P.init == "broadcast" or algo_cls.same_init:
-        with dog.collective("initial broadcast", 0):
-            comm.broadcast_(list(model.state_dict().values()), name="init")   # all ranks reach this
-    ref = copy.deepcopy(model)
-    algo = algo_cls(model, cfg, world, rank)
-    L = algo.L
-    # The same on every rank: window sizes do not depend on the rank.
-    K = max(1, math.ceil(cfg.train.epochs * nb / L))
-    eval_every_steps = max(1, round(cfg.eval.every * nb / L))
-    log_every_steps = max(1, math.ceil(cfg.run.log_every / L))
-    model_t, ref_t = sync_tensors(model), sync_tensors(ref)
-    ref_params = list(ref.parameters())
-    ex = Exchange(world, rank, dtype)
-    aug_gen = _gen(cfg.train.seed, rank, 0xA6)
+    def __init__(self, cfg: Config):
+        comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout)
+        if cfg.dist.threads:
+            torch.set_num_threads(cfg.dist.threads)
+        self.cfg = cfg
+        self.rank, self.world = comm.rank(), comm.size()
+        self.stop = StopSignal(self.rank)
+        self.stop.install()
+        self.dog = Watchdog(cfg.dist.timeout, self.rank, self.world)
+        self.elastic = None          # Horovod's elastic state (elastic mode)
+        self.committed = None        # elastic mode: this rank's last commit
+        self.events: list = []       # elastic mode: every change of the world, for the summary
+        self.restored = False
+        self.log = None
+        self.ds = None
+        self.built = False
+        self.resumed_from = None
+        self.t_start = time.monotonic()
 
-    def schedule(k: int) -> tuple:                 # rank 0's, for algorithms that sync
-        gk, rk = scoping(k, gamma0_inv=P.gamma0_inv, gamma_min_inv=P.gamma_min_inv, rho0_inv=P.rho0_inv,
-                         rho_min_inv=P.rho_min_inv, scoping=P.scoping, nb=nb)
-        lr = lr_at((k - 1) * L / nb, lr=O.lr, schedule=O.schedule, milestones=O.milestones, decay=O.decay,
-                   total_passes=cfg.train.epochs, warmup_passes=O.warmup_passes)
-        return gk, rk, lr
+    def run(self) -> dict:
+        cfg = self.cfg
+        if not cfg.dist.elastic:
+            if cfg.dist.expect_ranks and cfg.dist.expect_ranks != self.world:
+                raise RunError(f"dist.expect_ranks: this config is meant for {cfg.dist.expect_ranks} ranks, "
+                               f"launched with {self.world} (override dist.expect_ranks=0 to run anyway)")
+            self.start()
+            return self.loop()
+        if not comm.elastic_launched():
+            raise RunError("dist.elastic: start the job with horovodrun's elastic mode (launch/elastic.sh: "
+                           "--min-np, --max-np, --host-discovery-script)")
+        self.elastic = comm.elastic_state(save=self._commit, restore=self._restore, sync=self._elastic_sync,
+                                          reset=self._on_reset)
+        return comm.elastic_run(lambda state: self.loop(), self.elastic)
 
-    header = {"config": to_dict(cfg), "versions": _versions(), "git_sha": _git_sha(), "world_size": world,
-              "device": str(dev), "algo": cfg.algo,
-              "controller": comm.controller(), "outer_steps": K, "inner_steps_per_outer": L, "batches_per_pass": nb,
-              "params": sum(p.numel() for p in model.parameters()), "resumed_from": resume_step}
-    # State carried across outer steps (and checkpoints).
-    k0, wall_before, evals, samples, dist_prev = 0, 0.0, 0, 0, 0.0
-    last_val = (float("nan"), float("nan"))
-    spread = (float("nan"), float("nan"))
-    if resume_step is not None:
-        st = checkpoint.load(run_dir, resume_step, rank)
-        if st.get("world") != world or st.get("params") != header["params"] or st.get("algo") != cfg.algo:
-            raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('algo')} on {st.get('world')} "
-                           f"ranks with {st.get('params')} parameters; this run is {cfg.algo} on {world} ranks "
-                           f"with {header['params']}")
-        model.load_state_dict(st["model"]); ref.load_state_dict(st["ref"]); algo.load_state_dict(st["algo_state"])
-        sampler.load_state_dict(st["sampler"]); aug_gen.set_state(st["aug_gen"])
-        torch.set_rng_state(st["rng_torch"]); random.setstate(st["rng_py"]); np.random.set_state(st["rng_np"])
-        if dev.type == "cuda" and st.get("rng_cuda") is not None:
-            torch.cuda.set_rng_state(st["rng_cuda"])
-        comm.load_stats(st["comm"])
-        k0, sched, dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
-        wall_before, evals, samples, last_val = st["wall"], st["evals"], st["samples"], tuple(st["last_val"])
+    # ----------------------------------------------------------------------- building
+    def _build(self, replica_id: int, world0: int, *, init_bcast: bool) -> None:
+        """This rank's replica: data, sampler, model, algorithm, and the loop's counters.
+        ``replica_id`` names the replica (its seed, its data order and window): the rank,
+        except for a replica that joins an elastic run. ``world0`` is the world size the
+        data windows were cut for."""
+        cfg, rank, world = self.cfg, self.rank, self.world
+        P, O = cfg.parle, cfg.optim
+        self.dtype = dtype = getattr(torch, cfg.model.dtype)
+        self.dev = dev = pick_device(cfg.dist.device)
+        algo_cls = ALGORITHMS[cfg.algo]
+        self.replica_id, self.world0 = replica_id, world0
 
-    # Only now, with the config and any checkpoint accepted, touch the run directory's files.
-    log = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
-                    total=K, start_step=resume_step or 0)
-    dog.on_fail = log.flush
-    if rank == 0:
-        (run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
-            json.dumps(header, indent=2))
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.controller()}, {dev}], {K} outer steps of "
-                 f"{L} inner steps, {nb} batches/pass, run dir {run_dir}")
-        log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
-        log.text("run", json.dumps(header, indent=2))
+        # Data: every replica holds the whole dataset in memory (uint8) and its own window/order;
+        # data-parallel SGD gives each rank a disjoint shard instead.
+        if self.ds is None:
+            self.ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data)
+        ds = self.ds
+        split, frac = (("frac", 1.0 / world0) if algo_cls.shard_data and world0 > 1 else (cfg.data.split, cfg.data.frac))
+        idx = replica_indices(len(ds.train_x), rank=replica_id, world=world0, split=split, frac=frac, seed=cfg.train.seed)
+        self.sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=replica_id)
+        self.nb = nb = self.sampler.nb
 
-    if resume_step is not None:
+        # Replica: independent initialisation (seed + replica) unless asked to start from rank 0's.
+        torch.manual_seed(cfg.train.seed + replica_id)
+        random.seed(cfg.train.seed + replica_id)
+        np.random.seed((cfg.train.seed + replica_id) % 2**32)
+        self.model = build_model(cfg.model.name, num_classes=ds.num_classes, in_channels=ds.shape[0],
+                                 image_size=ds.shape[1], dropout=cfg.model.dropout, depth=cfg.model.depth,
+                                 width=cfg.model.width).to(device=dev, dtype=dtype)
+        if init_bcast and (P.init == "broadcast" or algo_cls.same_init):
+            with self.dog.collective("initial broadcast", 0):
+                comm.broadcast_(list(self.model.state_dict().values()), name="init")   # all ranks reach this
+        self.ref = copy.deepcopy(self.model)
+        self.algo = algo_cls(self.model, cfg, world, rank)
+        self.L = L = self.algo.L
+        # The same on every rank: window sizes do not depend on the rank.
+        self.K = max(1, math.ceil(cfg.train.epochs * nb / L))
+        self.eval_every_steps = max(1, round(cfg.eval.every * nb / L))
+        self.log_every_steps = max(1, math.ceil(cfg.run.log_every / L))
+        self.model_t, self.ref_t = sync_tensors(self.model), sync_tensors(self.ref)
+        self.ref_params = list(self.ref.parameters())
+        self.ex = Exchange(world, rank, dtype)
+        self.aug_gen = _gen(cfg.train.seed, replica_id, 0xA6)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+        def schedule(k: int) -> tuple:                 # rank 0's, for algorithms that sync
+            gk, rk = scoping(k, gamma0_inv=P.gamma0_inv, gamma_min_inv=P.gamma_min_inv, rho0_inv=P.rho0_inv,
+                             rho_min_inv=P.rho_min_inv, scoping=P.scoping, nb=nb)
+            lr = lr_at((k - 1) * L / nb, lr=O.lr, schedule=O.schedule, milestones=O.milestones, decay=O.decay,
+                       total_passes=cfg.train.epochs, warmup_passes=O.warmup_passes)
+            return gk, rk, lr
+        self.schedule = schedule
+
+        # State carried across outer steps (and checkpoints).
+        self.k, self.wall_before, self.evals, self.samples, self.dist_prev = 0, 0.0, 0, 0, 0.0
+        self.sched = None
+        self.last_val = (float("nan"), float("nan"))
+        self.spread = (float("nan"), float("nan"))
+        self.built = True
+
+    def _header(self) -> dict:
+        cfg = self.cfg
+        return {"config": to_dict(cfg), "versions": _versions(), "git_sha": _git_sha(), "world_size": self.world,
+                "device": str(self.dev), "algo": cfg.algo, "elastic": cfg.dist.elastic,
+                "controller": comm.controller(), "outer_steps": self.K, "inner_steps_per_outer": self.L,
+                "batches_per_pass": self.nb, "params": self.n_params, "resumed_from": self.resumed_from}
+
+    def _open_log(self, start_step: int) -> None:
+        """Rank 0's logger (a no-op elsewhere); reopened after an elastic reset, dropping
+        what a replayed stretch had logged."""
+        if self.log is not None:
+            self.log.close()
+        self.log = RunLogger(self.run_dir, enabled=self.rank == 0, tensorboard=self.cfg.run.tensorboard,
+                             progress=self.cfg.run.progress, total=self.K, start_step=start_step)
+        self.dog.on_fail = self.log.flush
+
+    def start(self) -> None:
+        """Rank 0 resolves the run and any checkpoint, every rank builds its replica, then
+        the first sync (or the resume). All ranks reach this."""
+        rank, world = self.rank, self.world
+        with self.dog.collective("start", 0):
+            self.cfg, self.run_dir, resume_step = _start(self.cfg, rank)
+        cfg = self.cfg
+        self.dog.attach(self.run_dir)
+        self._build(rank, world, init_bcast=True)
+        self.resumed_from = resume_step
+        header = self._header()
+        if resume_step is not None:
+            st = checkpoint.load(self.run_dir, resume_step, rank)
+            if st.get("world") != world or st.get("params") != self.n_params or st.get("algo") != cfg.algo:
+                raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('algo')} on {st.get('world')} "
+                               f"ranks with {st.get('params')} parameters; this run is {cfg.algo} on {world} ranks "
+                               f"with {self.n_params}")
+            self.load_state(st)
+            comm.load_stats(st["comm"])
+            self.wall_before = st["wall"]
+
+        # Only now, with the config and any checkpoint accepted, touch the run directory's files.
+        self._open_log(resume_step or 0)
+        log = self.log
         if rank == 0:
-            checkpoint.discard_after(run_dir, resume_step)
-            log.info(f"resumed from checkpoint step {resume_step}")
-    elif algo.syncs:
-        # The first reference, and rank 0's schedule for step 1. All ranks reach this.
-        with dog.collective("first sync", 0):
-            sched, _ = sync(model_t, ref_t, ex, schedule(1) if rank == 0 else None, {c: 0 for c in SLOT})
-        dist_prev = replica_distance(model, ref)
-        algo.after_sync(model_t, ref_t)
-    else:
-        sched = schedule(1)
+            (self.run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
+                json.dumps(header, indent=2))
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.controller()}{', elastic' if self.elastic else ''}, "
+                     f"{self.dev}], {self.K} outer steps of {self.L} inner steps, {self.nb} batches/pass, "
+                     f"run dir {self.run_dir}")
+            log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
+            log.text("run", json.dumps(header, indent=2))
 
-    def save_ckpt(k: int) -> None:
+        if resume_step is not None:
+            if rank == 0:
+                checkpoint.discard_after(self.run_dir, resume_step)
+                log.info(f"resumed from checkpoint step {resume_step}")
+        elif self.algo.syncs:
+            # The first reference, and rank 0's schedule for step 1. All ranks reach this.
+            with self.dog.collective("first sync", 0):
+                self.sched, _ = sync(self.model_t, self.ref_t, self.ex, self.schedule(1) if rank == 0 else None,
+                                     {c: 0 for c in SLOT})
+            self.dist_prev = replica_distance(self.model, self.ref)
+            self.algo.after_sync(self.model_t, self.ref_t)
+        else:
+            self.sched = self.schedule(1)
+        self.t_start = time.monotonic()
+
+    # ----------------------------------------------------------------------- state
+    def wall(self) -> float:
+        return self.wall_before + (time.monotonic() - self.t_start)
+
+    def state_dict(self) -> dict:
+        """This rank's whole state after outer step ``self.k``: a checkpoint file's content,
+        or (elastic mode) a commit. Tensors are the live ones: copy before keeping."""
+        return {"step": self.k, "world": self.world, "params": self.n_params, "algo": self.cfg.algo,
+                "replica": self.replica_id, "world0": self.world0,
+                "model": self.model.state_dict(), "ref": self.ref.state_dict(), "algo_state": self.algo.state_dict(),
+                "sampler": self.sampler.state_dict(), "aug_gen": self.aug_gen.get_state(),
+                "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(), "rng_np": np.random.get_state(),
+                "rng_cuda": torch.cuda.get_rng_state() if self.dev.type == "cuda" else None,
+                "comm": comm.stats().as_dict(), "sched": list(self.sched), "dist_prev": self.dist_prev,
+                "wall": self.wall(), "evals": self.evals, "samples": self.samples,
+                "last_val": list(self.last_val), "spread": list(self.spread), "config": to_dict(self.cfg)}
+
+    def load_state(self, st: dict) -> None:
+        """Back to the state ``st`` (a checkpoint or a commit) describes; counters of time
+        and traffic stay as they are (the caller decides)."""
+        self.model.load_state_dict(st["model"])
+        self.ref.load_state_dict(st["ref"])
+        self.algo.load_state_dict(st["algo_state"])
+        self.sampler.load_state_dict(st["sampler"])
+        self.aug_gen.set_state(st["aug_gen"])
+        torch.set_rng_state(st["rng_torch"])
+        random.setstate(st["rng_py"])
+        np.random.set_state(st["rng_np"])
+        if self.dev.type == "cuda" and st.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(st["rng_cuda"])
+        self.k, self.sched, self.dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
+        self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
+        self.spread = tuple(st.get("spread", self.spread))
+
+    def save_ckpt(self, k: int) -> None:
         try:
-            _save_ckpt(k)
+            checkpoint.save(self.run_dir, k, self.rank, self.state_dict(), self.cfg.run.keep)
         except OSError as e:
-            last = checkpoint.latest_complete(run_dir, world)
-            raise CheckpointError(f"run.dir: cannot write checkpoint step {k} in {run_dir}/checkpoints "
+            last = checkpoint.latest_complete(self.run_dir, self.world)
+            raise CheckpointError(f"run.dir: cannot write checkpoint step {k} in {self.run_dir}/checkpoints "
                                   f"({e.strerror or e}); the last complete checkpoint (step {last}) is kept") from None
 
-    def _save_ckpt(k: int) -> None:
-        state = {"step": k, "world": world, "params": header["params"], "algo": cfg.algo,
-                 "model": model.state_dict(), "ref": ref.state_dict(), "algo_state": algo.state_dict(),
-                 "sampler": sampler.state_dict(), "aug_gen": aug_gen.get_state(), "rng_torch": torch.get_rng_state(),
-                 "rng_py": random.getstate(), "rng_np": np.random.get_state(),
-                 "rng_cuda": torch.cuda.get_rng_state() if dev.type == "cuda" else None,
-                 "comm": comm.stats().as_dict(), "sched": list(sched), "dist_prev": dist_prev,
-                 "wall": wall_before + (time.monotonic() - t_start), "evals": evals, "samples": samples,
-                 "last_val": list(last_val), "config": to_dict(cfg)}
-        checkpoint.save(run_dir, k, rank, state, cfg.run.keep)
+    # ----------------------------------------------------------------------- elastic mode
+    def _commit(self) -> None:
+        """Horovod's State.save: keep a copy of this rank's state (in memory)."""
+        if self.built:
+            self.committed = copy.deepcopy(self.state_dict())
 
-    t_start = time.monotonic()
-    model.train()
-    stopped_at = None
-    for k in range(k0 + 1, K + 1):
-        t_step = time.monotonic()
-        gk, rk, lr = sched                          # rank 0's values, received at the last sync
-        algo.begin_outer()
-        losses = []
-        for _ in range(L):                          # inner steps: no communication (but dpsgd's)
-            b = sampler.next()
-            xb = ds.train_x[b]
-            if cfg.data.augment:
-                xb = augment_batch(xb, aug_gen)
-            out = model(to_input(xb.to(dev, non_blocking=True), ds.mean, ds.std, dtype))
-            loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            algo.inner_step(gk=gk, rk=rk, lr=lr, xbar=ref_params)
-            losses.append(loss.detach())
-        algo.end_outer(ref_params, rk=rk, lr=lr)    # parle: the elastic pull toward the reference
-        if _injected_nan(rank, k):
+    def _restore(self) -> None:
+        """Horovod's State.restore, after a rank failed: back to the last commit."""
+        if self.committed is not None:
+            self.load_state(copy.deepcopy(self.committed))   # a copy: optimizers may alias what they load
+            self.restored = True
+
+    def _on_reset(self) -> None:
+        """Horovod re-formed the world (a rank left or joined): new ranks, new sizes."""
+        old = self.world
+        self.rank, self.world = comm.rank(), comm.size()
+        self.stop.rank = self.rank
+        self.dog.reset(self.rank, self.world)
+        if self.cfg.dist.threads == 0:
+            comm.set_threads_per_rank()
+        if not self.built:
+            return
+        self.ex = Exchange(self.world, self.rank, self.dtype)
+        self.algo.world, self.algo.rank = self.world, self.rank
+        self._open_log(self.k)
+        why = "a rank failed; back to the last commit" if self.restored else "hosts changed"
+        self.log.info(f"elastic: {why}: {old} -> {self.world} rank(s) after outer step {self.k}")
+        self.events.append({"step": self.k, "from": old, "to": self.world, "why": why})
+        self.restored = False
+
+    def _elastic_sync(self) -> None:
+        """Horovod's State.sync, at the start and after every reset but a removal alone.
+        Replicas that were committed at the newest step keep their own state; the lowest
+        such rank (the root) sends the run's state and the reference; every other rank (a
+        new one, or one left behind) builds a replica and starts it at the reference. The
+        first time, no rank holds a replica and this is ``start()``. All ranks reach this."""
+        rank, world = self.rank, self.world
+        rows = torch.zeros(world, 3, dtype=torch.float64)
+        if self.committed is not None:
+            rows[rank] = torch.tensor([1.0, float(self.replica_id), float(self.k)], dtype=torch.float64)
+        with self.dog.collective("elastic members", self.k if self.built else 0):
+            comm.allreduce_sum_([rows], name="elastic.members")       # all ranks reach this
+        holders = [r for r in range(world) if rows[r, 0] > 0]
+        if not holders:
+            self.start()
+            self._commit()
+            return
+        k_new = max(int(rows[r, 2]) for r in holders)
+        keep = [r for r in holders if int(rows[r, 2]) == k_new]
+        root, mine = keep[0], rank in keep
+        msg = None
+        if rank == root:
+            msg = {"cfg": self.cfg, "run_dir": str(self.run_dir), "world0": self.world0, "k": self.k,
+                   "sched": self.sched, "evals": self.evals, "samples": self.samples, "last_val": self.last_val,
+                   "spread": self.spread, "wall": self.wall(), "comm": comm.stats().as_dict(), "events": self.events,
+                   "resumed_from": self.resumed_from}
+        with self.dog.collective("elastic run state", k_new):
+            msg = comm.broadcast_object(msg, root=root, name="elastic.run")   # all ranks reach this
+        taken = {int(rows[r, 1]) for r in keep}
+        new = [r for r in range(world) if r not in keep]
+        free = [i for i in range(world + len(taken)) if i not in taken][:len(new)]
+        if not mine:
+            self.cfg, self.run_dir = msg["cfg"], Path(msg["run_dir"])
+            self.dog.attach(self.run_dir)
+            self._build(free[new.index(rank)], msg["world0"], init_bcast=False)
+        shared = self.algo.shared_tensors()
+        with self.dog.collective("elastic reference", k_new):
+            comm.broadcast_(self.ref_t + shared, root=root, name="elastic.ref")   # all ranks reach this
+        if not mine:
             with torch.no_grad():
-                next(model.parameters()).fill_(float("nan"))
-        lt = torch.stack(losses).double()
-        finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
-        slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": dist_prev,
-                "nonfinite": float(not finite), "stop": float(stop.requested is not None)}
-        if algo.syncs:
-            # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
-            with dog.collective("sync", k):
-                sched, rows = sync(model_t, ref_t, ex, schedule(k + 1) if rank == 0 else None, slot)
-            dist_prev = replica_distance(model, ref)
-            algo.after_sync(model_t, ref_t)
-        else:
-            # Every rank computes the (deterministic) schedule; one small allreduce of the slots.
-            sched = schedule(k + 1)
-            with dog.collective("slots", k):
-                rows = exchange_slots(slot, rank, world)
-        samples += world * L * cfg.train.batch_size
+                for m, r in zip(self.model_t, self.ref_t):
+                    m.copy_(r)                      # the new replica starts at the current reference
+            self.k, self.sched, self.evals, self.samples = msg["k"], tuple(msg["sched"]), msg["evals"], msg["samples"]
+            self.last_val, self.spread, self.resumed_from = tuple(msg["last_val"]), tuple(msg["spread"]), msg["resumed_from"]
+            self.wall_before, self.t_start = msg["wall"], time.monotonic()
+            self.dist_prev = replica_distance(self.model, self.ref)
+            comm.load_stats(msg["comm"])
+            self.events = list(msg["events"])
+            print(f"[rank {rank}] elastic: joined at outer step {self.k} as replica {self.replica_id}, "
+                  f"starting at the reference (||x - xbar|| = {self.dist_prev:.3g})", file=sys.stderr, flush=True)
+            if rank == 0 or self.log is None:
+                self._open_log(self.k)
+        if new:
+            self.events.append({"step": self.k, "world": world, "kept_ranks": keep, "joined_ranks": new,
+                                "joined_replicas": free})
+        self.log.info(f"elastic: {world} rank(s) at outer step {self.k}: {len(keep)} replica(s) kept, "
+                      f"{len(new)} started at the reference (replica ids {free})")
+        self._commit()
 
-        if rank == 0 and (k % log_every_steps == 0 or k == K):
-            dt = time.monotonic() - t_step
-            cs = comm.stats()
-            sc = {"train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
-                  "train/loss_max_inner": rows[:, 1].max(), "parle/lr": lr,
-                  "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
-                  "perf/samples_per_sec": world * L * cfg.train.batch_size / max(dt, 1e-9),
-                  "train/passes": k * L / nb}
-            if "gamma" in algo.couplings:
-                sc.update({"parle/gamma": 1.0 / gk if gk > 0 else None, "parle/gamma_inv": gk})
-            if "rho" in algo.couplings:
-                sc.update({"parle/rho": 1.0 / rk if rk > 0 else None, "parle/rho_inv": rk})
+    # ----------------------------------------------------------------------- the loop
+    def loop(self) -> dict:
+        cfg, rank, world = self.cfg, self.rank, self.world
+        model, ref, algo, sampler, ds = self.model, self.ref, self.algo, self.sampler, self.ds
+        dtype, dev, log, dog = self.dtype, self.dev, self.log, self.dog
+        K, L, nb = self.K, self.L, self.nb
+        model_t, ref_t, ref_params = self.model_t, self.ref_t, self.ref_params
+        model.train()
+        stopped_at = None
+        for k in range(self.k + 1, K + 1):
+            t_step = time.monotonic()
+            gk, rk, lr = self.sched                     # rank 0's values, received at the last sync
+            algo.begin_outer()
+            losses = []
+            for _ in range(L):                          # inner steps: no communication (but dpsgd's)
+                b = sampler.next()
+                xb = ds.train_x[b]
+                if cfg.data.augment:
+                    xb = augment_batch(xb, self.aug_gen)
+                out = model(to_input(xb.to(dev, non_blocking=True), ds.mean, ds.std, dtype))
+                loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+                algo.inner_step(gk=gk, rk=rk, lr=lr, xbar=ref_params)
+                losses.append(loss.detach())
+            algo.end_outer(ref_params, rk=rk, lr=lr)    # parle: the elastic pull toward the reference
+            if _injected_nan(rank, k):
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+            lt = torch.stack(losses).double()
+            finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": self.dist_prev,
+                    "nonfinite": float(not finite), "stop": float(self.stop.requested is not None),
+                    # the coordinator's news of hosts leaving or joining (elastic mode)
+                    "hosts": float(self.elastic.host_update_pending()) if self.elastic and rank == 0 else 0.0}
             if algo.syncs:
-                sc.update({"parle/replica_distance": rows[:, 2].mean(), "parle/replica_distance_max": rows[:, 2].max()})
-            log.scalars(k, sc)
-        if bool(rows[:, 3].any()):            # every rank sees the same rows: all stop here, together
-            bad = [i for i in range(len(rows)) if rows[i, 3] > 0]
-            last = checkpoint.latest_complete(run_dir, world)
-            log.flush()
-            raise DivergenceError(f"non-finite loss or weights on rank(s) {bad} at outer step {k}; stopped. "
-                                  f"The last complete checkpoint (step {last}) is kept in {run_dir}/checkpoints")
-        if bool(rows[:, 4].any()):
-            stopped_at = k
+                # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
+                with dog.collective("sync", k):
+                    self.sched, rows = sync(model_t, ref_t, self.ex, self.schedule(k + 1) if rank == 0 else None, slot)
+                self.dist_prev = replica_distance(model, ref)
+                algo.after_sync(model_t, ref_t)
+            else:
+                # Every rank computes the (deterministic) schedule; one small allreduce of the slots.
+                self.sched = self.schedule(k + 1)
+                with dog.collective("slots", k):
+                    rows = exchange_slots(slot, rank, world)
+            self.k = k
+            self.samples += world * L * cfg.train.batch_size
 
-        if (k % eval_every_steps == 0 or k == K) and stopped_at is None:
-            with dog.collective("evaluation", k):
-                algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
-                recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
-                acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev, [dist_prev])
-            if algo.syncs:
-                spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
-            evals += 1
-            last_val = (acc, vloss)
-            log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
-                            "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
-                            "train/passes": k * L / nb,
-                            "train/wall_seconds": wall_before + (time.monotonic() - t_start)})
-            log.info(f"step {k}/{K} pass {k * L / nb:.2f}: val acc {acc:.4f} loss {vloss:.4f}, "
-                     f"train loss {float(rows[:, 0].mean()):.4f}, lr {lr:.3g}"
-                     + (f" gamma_inv {gk:.3g}" if "gamma" in algo.couplings else "")
-                     + (f" rho_inv {rk:.3g}" if "rho" in algo.couplings else ""))
-            model.train()
-        log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {last_val[0]:.4f}")
+            if rank == 0 and (k % self.log_every_steps == 0 or k == K):
+                dt = time.monotonic() - t_step
+                cs = comm.stats()
+                sc = {"train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
+                      "train/loss_max_inner": rows[:, 1].max(), "parle/lr": lr,
+                      "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
+                      "perf/samples_per_sec": world * L * cfg.train.batch_size / max(dt, 1e-9),
+                      "train/passes": k * L / nb}
+                if self.elastic:
+                    sc["dist/world_size"] = world
+                if "gamma" in algo.couplings:
+                    sc.update({"parle/gamma": 1.0 / gk if gk > 0 else None, "parle/gamma_inv": gk})
+                if "rho" in algo.couplings:
+                    sc.update({"parle/rho": 1.0 / rk if rk > 0 else None, "parle/rho_inv": rk})
+                if algo.syncs:
+                    sc.update({"parle/replica_distance": rows[:, 2].mean(),
+                               "parle/replica_distance_max": rows[:, 2].max()})
+                log.scalars(k, sc)
+            if bool(rows[:, 3].any()):            # every rank sees the same rows: all stop here, together
+                bad = [i for i in range(len(rows)) if rows[i, 3] > 0]
+                last = checkpoint.latest_complete(self.run_dir, world)
+                log.flush()
+                raise DivergenceError(f"non-finite loss or weights on rank(s) {bad} at outer step {k}; stopped. "
+                                      f"The last complete checkpoint (step {last}) is kept in {self.run_dir}/checkpoints")
+            if bool(rows[:, 4].any()):
+                stopped_at = k
 
-        if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K or stopped_at is not None:
-            save_ckpt(k)
-        if stopped_at is not None:
-            who = [i for i in range(len(rows)) if rows[i, 4] > 0]
-            log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
-                     f"resume with run.resume=true run.dir={run_dir}")
-            log.close()
-            return {"stopped_at": k, "run_dir": str(run_dir)}
+            if (k % self.eval_every_steps == 0 or k == K) and stopped_at is None:
+                with dog.collective("evaluation", k):
+                    algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
+                    recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
+                    acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev,
+                                                 [self.dist_prev])
+                if algo.syncs:
+                    self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
+                self.evals += 1
+                self.last_val = (acc, vloss)
+                log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
+                                "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
+                                "train/passes": k * L / nb, "train/wall_seconds": self.wall()})
+                log.info(f"step {k}/{K} pass {k * L / nb:.2f}: val acc {acc:.4f} loss {vloss:.4f}, "
+                         f"train loss {float(rows[:, 0].mean()):.4f}, lr {lr:.3g}"
+                         + (f" gamma_inv {gk:.3g}" if "gamma" in algo.couplings else "")
+                         + (f" rho_inv {rk:.3g}" if "rho" in algo.couplings else "")
+                         + (f", {world} ranks" if self.elastic else ""))
+                model.train()
+            log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {self.last_val[0]:.4f}")
 
-    wall = wall_before + (time.monotonic() - t_start)
-    cs = comm.stats()
-    summary = {"val_accuracy": last_val[0], "val_loss": last_val[1], "wall_seconds": wall,
-               "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / nb,
-               "evaluations": evals, "samples_seen": samples, "allreduce_calls": cs.allreduce_calls,
-               "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
-               "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,
-               "final_replica_distance": spread[0], "final_replica_distance_max": spread[1],
-               "params": header["params"], "world_size": world, "algo": cfg.algo,
-               "controller": comm.controller(), "device": str(dev), "resumed_from": resume_step,
-               "config": to_dict(cfg)}
-    if rank == 0:
-        try:   # both written whole or not at all
-            checkpoint.atomic_save(ref.state_dict(), run_dir / "final.pt")
-            checkpoint.atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        except OSError as e:
-            raise CheckpointError(f"run.dir: cannot write final.pt/summary.json in {run_dir} ({e.strerror or e}); "
-                                  f"the last complete checkpoint is kept") from None
-        log.info(f"done: val accuracy {last_val[0]:.4f}, {wall:.1f} s, {cs.allreduce_calls} allreduces, "
-                 f"{cs.bytes / 1e6:.2f} MB; {run_dir}/summary.json")
-    log.close()
-    return summary
+            if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K or stopped_at is not None:
+                self.save_ckpt(k)
+            if stopped_at is not None:
+                who = [i for i in range(len(rows)) if rows[i, 4] > 0]
+                log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
+                         f"resume with run.resume=true run.dir={self.run_dir}")
+                log.close()
+                return {"stopped_at": k, "run_dir": str(self.run_dir)}
+            if self.elastic:
+                # Commit, then leave for a re-formed world if the coordinator heard of host
+                # changes (rows are the same on every rank: all leave at this step).
+                self.elastic.commit(int(rows[:, 5].sum()))
+        return self.finish()
+
+    def finish(self) -> dict:
+        cfg, log = self.cfg, self.log
+        wall = self.wall()
+        cs = comm.stats()
+        K, L = self.K, self.L
+        summary = {"val_accuracy": self.last_val[0], "val_loss": self.last_val[1], "wall_seconds": wall,
+                   "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / self.nb,
+                   "evaluations": self.evals, "samples_seen": self.samples, "allreduce_calls": cs.allreduce_calls,
+                   "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
+                   "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,
+                   "final_replica_distance": self.spread[0], "final_replica_distance_max": self.spread[1],
+                   "params": self.n_params, "world_size": self.world, "algo": cfg.algo,
+                   "controller": comm.controller(), "device": str(self.dev), "resumed_from": self.resumed_from,
+                   "elastic": cfg.dist.elastic, "elastic_events": self.events, "config": to_dict(cfg)}
+        if self.rank == 0:
+            try:   # both written whole or not at all
+                checkpoint.atomic_save(self.ref.state_dict(), self.run_dir / "final.pt")
+                checkpoint.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            except OSError as e:
+                raise CheckpointError(f"run.dir: cannot write final.pt/summary.json in {self.run_dir} "
+                                      f"({e.strerror or e}); the last complete checkpoint is kept") from None
+            log.info(f"done: val accuracy {self.last_val[0]:.4f}, {wall:.1f} s, {cs.allreduce_calls} allreduces, "
+                     f"{cs.bytes / 1e6:.2f} MB; {self.run_dir}/summary.json")
+        log.close()
+        return summary
+
+
+def train(cfg: Config) -> dict:
+    """Run ``cfg`` on this rank; every rank calls this. Returns the summary (rank 0 also
+    writes it to ``<run.dir>/summary.json``)."""
+    return Trainer(cfg).run()

@@ -56,6 +56,10 @@ class Watchdog:
         if timeout > 0 and world > 1:
             threading.Thread(target=self._run, name="parle-watchdog", daemon=True).start()
 
+    def reset(self, rank: int, world: int) -> None:
+        """A new world (elastic mode): new rank numbers, and every rank counts from zero."""
+        self.rank, self.world, self._n = rank, world, 0
+
     def attach(self, run_dir: Path) -> None:
         self.hb_dir = Path(run_dir) / ".heartbeat"
         try:

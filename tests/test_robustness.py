@@ -248,6 +248,11 @@ def _bad_cases(tmp, done, done2):
                                            "parle.sync_period=5"],
          "cannot write checkpoint", done),
         ("unknown algorithm", ["algo=adam"], "algo: must be one of", None),
+        ("elastic mode with an algorithm without a reference", ["algo=dpsgd", "--elastic"],
+         "dist.elastic: needs an algorithm with a reference", None),
+        ("unknown command-line flag", ["--bogus"], "unrecognized arguments: --bogus", None),
+        ("elastic mode outside horovodrun's elastic mode", ["dist.elastic=true"],
+         "dist.elastic: start the job with horovodrun's elastic mode", None),
     ]
 
 

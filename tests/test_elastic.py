@@ -1,0 +1,143 @@
+"""Horovod elastic mode, for real: horovodrun --min-np/--max-np with a host discovery
+script, each rank on its own "host" (tools/elasticlab.py: 127.0.0.x addresses in a private
+network namespace, so Horovod blacklists one host when its rank dies, as on a cluster).
+
+* Nobody lost: 3 ranks from start to end (the accuracy to compare with).
+* One rank killed: the coordinator (rank 0) gets SIGKILL a third of the way in; the two
+  others go on from the last commit without it, and finish with 2 ranks within 1 point
+  of the unbroken run's test accuracy.
+* One rank joins: a host is added to the discovery file mid-run; its rank starts at the
+  current reference and the run finishes with 3 ranks.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from multirank import ROOT, VENV_BIN, kill_tree
+from tools import elasticlab
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+pytestmark = [
+    pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist"),
+    pytest.mark.skipif(elasticlab.available() is not None, reason=f"elastic lab: {elasticlab.available()}"),
+    pytest.mark.multirank, pytest.mark.integration,
+]
+# 75 outer steps of 5 inner steps (4 passes over 6000 examples), tested on all 10000.
+ARGS = ["--config", "configs/fashion_parle.yaml", "data.train_limit=6000", "data.test_limit=0",
+        "parle.sync_period=5", "train.batch_size=64", "train.epochs=4", "optim.milestones=[3]", "eval.every=1",
+        "run.log_every=5", "run.progress=lines", "dist.threads=1", "dist.timeout=120"]
+K = 75
+
+
+def _step(run_dir: Path) -> int:
+    """The outer step rank 0 is at (its heartbeat), 0 before the first."""
+    try:
+        return int((run_dir / ".heartbeat" / "rank-0").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _worker(lab, host: str):
+    """The training process Horovod started for ``host``."""
+    for pid in lab.pids():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"HOROVOD_HOSTNAME={host}".encode() in env and b"train.py" in cmd:
+            return pid
+    return None
+
+
+def _elastic_run(tmp: Path, name: str, n_hosts: int, n_start: int, *, at_step: int = 0, action=None,
+                 timeout: float = 300) -> tuple:
+    """Run launch/elastic.sh in a lab of ``n_hosts`` hosts (the first ``n_start`` listed at the start);
+    call ``action(lab, hosts_file)`` once rank 0 passes ``at_step``. Returns (rc, output,
+    summary, run dir, what action returned)."""
+    run_dir, hosts_file, out = tmp / name, tmp / f"{name}.hosts", tmp / f"{name}.out"
+    with elasticlab.LoopbackHosts(n_hosts) as lab:
+        hosts_file.write_text("".join(f"{h}:1\n" for h in lab.hosts[:n_start]))
+        env = dict(os.environ, NP=str(n_start), MIN_NP="2", MAX_NP="3", PARLE_HVD_HOSTS_FILE=str(hosts_file),
+                   ELASTIC_TIMEOUT="60", VENV=str(VENV_BIN.parent))
+        with open(out, "w") as fh:
+            proc = subprocess.Popen([*lab.prefix, "launch/elastic.sh", *ARGS, f"run.dir={run_dir}"], cwd=ROOT,
+                                    env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            acted, t0 = None, time.monotonic()
+            try:
+                while proc.poll() is None:
+                    assert time.monotonic() - t0 < timeout, f"{name}: timed out\n{out.read_text()[-4000:]}"
+                    if action and acted is None and _step(run_dir) >= at_step:
+                        acted = action(lab, hosts_file) or True
+                    time.sleep(0.2)
+            finally:
+                if proc.poll() is None:
+                    kill_tree(proc.pid)
+        left = lab.pids()
+    assert not left, f"{name}: processes left in the lab: {left}"
+    text = out.read_text()
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None
+    return proc.returncode, text, summary, run_dir, acted
+
+
+def _train_steps(run_dir: Path) -> list:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "train/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    rc, out, s, d, _ = _elastic_run(tmp_path_factory.mktemp("elastic"), "unbroken", 3, 3)
+    assert rc == 0 and s, out[-4000:]
+    assert s["world_size"] == 3 and s["elastic_events"] == [] and s["outer_steps"] == K
+    return s
+
+
+def test_losing_the_coordinator_leaves_two_ranks_going_on_from_the_last_commit(tmp_path, unbroken):
+    def kill_rank0(lab, hosts_file):
+        pid = _worker(lab, lab.hosts[0])
+        assert pid, "no worker process on the first host"
+        os.kill(pid, signal.SIGKILL)
+        return _step(tmp_path / "kill")
+
+    rc, out, s, d, killed_at = _elastic_run(tmp_path, "kill", 3, 3, at_step=25, action=kill_rank0)
+    assert killed_at and killed_at < K // 2, out[-4000:]
+    assert rc == 0 and s, out[-4000:]
+    # finished, with the two survivors, every outer step done once
+    assert s["world_size"] == 2 and s["outer_steps"] == K, s
+    assert _train_steps(d) == list(range(1, K + 1))       # the replayed stretch is logged once
+    ev = s["elastic_events"]
+    assert len(ev) == 1 and ev[0]["from"] == 3 and ev[0]["to"] == 2 and "failed" in ev[0]["why"], ev
+    assert killed_at - 2 <= ev[0]["step"] <= killed_at + 1, (killed_at, ev)   # the last commit
+    assert "back to the last commit: 3 -> 2 rank(s)" in out
+    # the remaining replicas did not diverge: as good as the run that lost nobody
+    print(f"test accuracy: lost rank 0 at step {killed_at}: {s['val_accuracy']:.4f}, "
+          f"nobody lost: {unbroken['val_accuracy']:.4f}")
+    assert abs(s["val_accuracy"] - unbroken["val_accuracy"]) <= 0.01, (s["val_accuracy"], unbroken["val_accuracy"])
+    assert s["final_replica_distance"] == s["final_replica_distance"]          # finite, not NaN
+
+
+def test_a_rank_that_joins_starts_at_the_current_reference(tmp_path, unbroken):
+    def add_host(lab, hosts_file):
+        hosts_file.write_text(hosts_file.read_text() + f"{lab.hosts[2]}:1\n")
+        return _step(tmp_path / "join")
+
+    rc, out, s, d, added_at = _elastic_run(tmp_path, "join", 3, 2, at_step=15, action=add_host)
+    assert rc == 0 and s, out[-4000:]
+    assert s["world_size"] == 3 and s["outer_steps"] == K, s
+    joined = [e for e in s["elastic_events"] if e.get("joined_ranks")]
+    assert len(joined) == 1, s["elastic_events"]
+    j = joined[0]
+    assert j["kept_ranks"] == [0, 1] and j["joined_ranks"] == [2] and j["joined_replicas"] == [2], j
+    assert added_at <= j["step"] < K, (added_at, j)
+    # the new replica's weights were the reference of that outer step, exactly
+    assert f"joined at outer step {j['step']} as replica 2, starting at the reference (||x - xbar|| = 0)" in out
+    assert _train_steps(d) == list(range(1, K + 1))
+    print(f"test accuracy: rank joined at step {j['step']}: {s['val_accuracy']:.4f}, "
+          f"3 ranks throughout: {unbroken['val_accuracy']:.4f}")
+    assert abs(s["val_accuracy"] - unbroken["val_accuracy"]) <= 0.01
