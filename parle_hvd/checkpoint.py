@@ -124,6 +124,20 @@ def latest_complete(root: Path, world: int) -> Optional[int]:
     return None
 
 
+def latest_complete_any(root: Path) -> Optional[tuple[int, int]]:
+    """(step, world) of the newest step that is complete for the world size that wrote it
+    (read from its rank-0 file), or None. For resuming an elastic run with another size."""
+    for s in reversed(steps(root)):
+        d = step_dir(root, s)
+        try:
+            world = int(torch.load(d / "rank-0.pt", map_location="cpu", weights_only=False, mmap=True)["world"])
+        except Exception:  # noqa: BLE001 - missing or unreadable: not complete
+            continue
+        if latest_complete(root, world) == s:
+            return s, world
+    return None
+
+
 def load(root: Path, step: int, rank: int) -> dict:
     path = step_dir(root, step) / f"rank-{rank}.pt"
     try:

@@ -217,20 +217,27 @@ def resolve_run_dir(cfg: Config) -> Path:
     return d
 
 
-def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int]]:
-    """Rank 0 resolves the run directory and the checkpoint to resume, and sends them and
-    its config to every rank (one source of truth even if the ranks' configs differ)."""
+def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int], int]:
+    """Rank 0 resolves the run directory and the checkpoint to resume (its step and the
+    number of ranks that wrote it), and sends them and its config to every rank (one
+    source of truth even if the ranks' configs differ). An elastic run may resume a
+    checkpoint written by another number of ranks; any other run needs its own number."""
     msg = None
+    world = comm.size()
     if rank == 0:
         try:
             d = resolve_run_dir(cfg)
             cfg.run.dir = str(d)
-            step = None
+            step, ckpt_world = None, world
             if cfg.run.resume:
-                step = checkpoint.latest_complete(d, comm.size())
+                if cfg.dist.elastic:
+                    step, ckpt_world = checkpoint.latest_complete_any(d) or (None, world)
+                else:
+                    step = checkpoint.latest_complete(d, world)
                 if step is None:
-                    raise RunError(f"run.resume: no complete checkpoint for {comm.size()} ranks in {d}/checkpoints")
-            msg = {"cfg": cfg, "step": step}
+                    raise RunError(f"run.resume: no complete checkpoint for {world} ranks in {d}/checkpoints"
+                                   if not cfg.dist.elastic else f"run.resume: no complete checkpoint in {d}/checkpoints")
+            msg = {"cfg": cfg, "step": step, "ckpt_world": ckpt_world}
         except RunError as e:
             msg = {"error": str(e)}
     mine = to_dict(cfg)
@@ -243,7 +250,7 @@ def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int]]:
     if rank != 0 and diff:
         print(f"[rank {rank}] warning: config differs from rank 0's in {', '.join(diff)}; using rank 0's",
               file=sys.stderr, flush=True)
-    return msg["cfg"], Path(msg["cfg"].run.dir), msg["step"]
+    return msg["cfg"], Path(msg["cfg"].run.dir), msg["step"], msg["ckpt_world"]
 
 
 def pick_device(want: str) -> torch.device:
@@ -288,6 +295,7 @@ class Trainer:
         self.ds = None
         self.built = False
         self.resumed_from = None
+        self.ckpt_world = self.world
         self.t_start = time.monotonic()
 
     def run(self) -> dict:
@@ -382,26 +390,32 @@ class Trainer:
                              progress=self.cfg.run.progress, total=self.K, start_step=start_step)
         self.dog.on_fail = self.log.flush
 
-    def start(self) -> None:
+    def start(self) -> bool:
         """Rank 0 resolves the run and any checkpoint, every rank builds its replica, then
-        the first sync (or the resume). All ranks reach this."""
+        the first sync (or the resume). All ranks reach this. Returns False on a rank that
+        has no replica yet: an elastic run resumed with more ranks than its checkpoint's
+        (``_elastic_sync`` then starts it at the reference)."""
         rank, world = self.rank, self.world
         with self.dog.collective("start", 0):
-            self.cfg, self.run_dir, resume_step = _start(self.cfg, rank)
+            self.cfg, self.run_dir, resume_step, self.ckpt_world = _start(self.cfg, rank)
         cfg = self.cfg
         self.dog.attach(self.run_dir)
-        self._build(rank, world, init_bcast=True)
         self.resumed_from = resume_step
-        header = self._header()
-        if resume_step is not None:
+        if resume_step is None:
+            self._build(rank, world, init_bcast=True)
+        elif rank >= self.ckpt_world:
+            return False
+        else:
             st = checkpoint.load(self.run_dir, resume_step, rank)
-            if st.get("world") != world or st.get("params") != self.n_params or st.get("algo") != cfg.algo:
+            self._build(st.get("replica", rank), st.get("world0", self.ckpt_world), init_bcast=False)
+            if st.get("world") != self.ckpt_world or st.get("params") != self.n_params or st.get("algo") != cfg.algo:
                 raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('algo')} on {st.get('world')} "
                                f"ranks with {st.get('params')} parameters; this run is {cfg.algo} on {world} ranks "
                                f"with {self.n_params}")
             self.load_state(st)
             comm.load_stats(st["comm"])
             self.wall_before = st["wall"]
+        header = self._header()
 
         # Only now, with the config and any checkpoint accepted, touch the run directory's files.
         self._open_log(resume_step or 0)
@@ -419,7 +433,8 @@ class Trainer:
         if resume_step is not None:
             if rank == 0:
                 checkpoint.discard_after(self.run_dir, resume_step)
-                log.info(f"resumed from checkpoint step {resume_step}")
+                log.info(f"resumed from checkpoint step {resume_step}"
+                         + (f" (written by {self.ckpt_world} ranks)" if self.ckpt_world != world else ""))
         elif self.algo.syncs:
             # The first reference, and rank 0's schedule for step 1. All ranks reach this.
             with self.dog.collective("first sync", 0):
@@ -430,6 +445,7 @@ class Trainer:
         else:
             self.sched = self.schedule(1)
         self.t_start = time.monotonic()
+        return True
 
     # ----------------------------------------------------------------------- state
     def wall(self) -> float:
@@ -519,6 +535,8 @@ class Trainer:
         if not holders:
             self.start()
             self._commit()
+            if self.ckpt_world < world:       # resumed with more ranks than wrote the checkpoint
+                self._elastic_sync()          # all ranks reach this: the others start at the reference
             return
         k_new = max(int(rows[r, 2]) for r in holders)
         keep = [r for r in holders if int(rows[r, 2]) == k_new]

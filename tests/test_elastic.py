@@ -6,6 +6,7 @@ network namespace, so Horovod blacklists one host when its rank dies, as on a cl
 * One rank killed: the coordinator (rank 0) gets SIGKILL a third of the way in; the two
   others go on from the last commit without it, and finish with 2 ranks within 1 point
   of the unbroken run's test accuracy.
+  Its 2-rank checkpoint then resumes with 3 ranks: the third starts at the reference.
 * One rank joins: a host is added to the discovery file mid-run; its rank starts at the
   current reference and the run finishes with 3 ranks.
 """
@@ -56,7 +57,7 @@ def _worker(lab, host: str):
 
 
 def _elastic_run(tmp: Path, name: str, n_hosts: int, n_start: int, *, at_step: int = 0, action=None,
-                 timeout: float = 300) -> tuple:
+                 extra=(), timeout: float = 300) -> tuple:
     """Run launch/elastic.sh in a lab of ``n_hosts`` hosts (the first ``n_start`` listed at the start);
     call ``action(lab, hosts_file)`` once rank 0 passes ``at_step``. Returns (rc, output,
     summary, run dir, what action returned)."""
@@ -66,7 +67,7 @@ def _elastic_run(tmp: Path, name: str, n_hosts: int, n_start: int, *, at_step: i
         env = dict(os.environ, NP=str(n_start), MIN_NP="2", MAX_NP="3", PARLE_HVD_HOSTS_FILE=str(hosts_file),
                    ELASTIC_TIMEOUT="60", VENV=str(VENV_BIN.parent))
         with open(out, "w") as fh:
-            proc = subprocess.Popen([*lab.prefix, "launch/elastic.sh", *ARGS, f"run.dir={run_dir}"], cwd=ROOT,
+            proc = subprocess.Popen([*lab.prefix, "launch/elastic.sh", *ARGS, f"run.dir={run_dir}", *extra], cwd=ROOT,
                                     env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
             acted, t0 = None, time.monotonic()
             try:
@@ -120,6 +121,17 @@ def test_losing_the_coordinator_leaves_two_ranks_going_on_from_the_last_commit(t
           f"nobody lost: {unbroken['val_accuracy']:.4f}")
     assert abs(s["val_accuracy"] - unbroken["val_accuracy"]) <= 0.01, (s["val_accuracy"], unbroken["val_accuracy"])
     assert s["final_replica_distance"] == s["final_replica_distance"]          # finite, not NaN
+
+    # Relaunch with 3 hosts and one more pass: the 2-rank checkpoint resumes, the replicas it
+    # holds go on, and the third rank takes the free replica id (the lost one's) at the reference.
+    rc, out, s2, d2, _ = _elastic_run(tmp_path, "kill", 3, 3, extra=["run.resume=true", "train.epochs=5"])
+    assert rc == 0 and s2, out[-4000:]
+    assert f"resumed from checkpoint step {K} (written by 2 ranks)" in out
+    assert s2["world_size"] == 3 and s2["resumed_from"] == K and s2["outer_steps"] > K, s2
+    j = [e for e in s2["elastic_events"] if e.get("joined_ranks")]
+    assert j[-1]["step"] == K and j[-1]["kept_ranks"] == [0, 1] and j[-1]["joined_replicas"] == [0], j
+    assert f"joined at outer step {K} as replica 0, starting at the reference (||x - xbar|| = 0)" in out
+    assert _train_steps(d2) == list(range(1, s2["outer_steps"] + 1))
 
 
 def test_a_rank_that_joins_starts_at_the_current_reference(tmp_path, unbroken):
