@@ -215,11 +215,14 @@ class DistConfig:
                      ["auto", "cpu", "cuda"])
     elastic: bool = _f(False, "Horovod elastic mode (horovodrun --min-np/--host-discovery-script, "
                        "launch/elastic.sh): ranks may leave and join; state committed at every sync")
+    elastic_commit_every: int = _f(1, "elastic mode: commit (copy this rank's state to host memory) every this "
+                                   "many outer steps; a failure replays at most this many")
 
     def __post_init__(self):
         _check(self.threads >= 0, "dist.threads", "must be >= 0")
         _check(self.expect_ranks >= 0, "dist.expect_ranks", "must be >= 0")
         _check(self.timeout >= 0, "dist.timeout", "must be >= 0")
+        _check(self.elastic_commit_every >= 1, "dist.elastic_commit_every", "must be >= 1")
 
 
 @dataclass

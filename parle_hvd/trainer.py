@@ -268,6 +268,17 @@ def pick_device(want: str) -> torch.device:
 
 
 # --------------------------------------------------------------------------- the run
+def _host_copy(obj):
+    """A deep copy with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 class Trainer:
     """One rank's run: its replica, the reference, and the loop.
 
@@ -491,9 +502,10 @@ class Trainer:
 
     # ----------------------------------------------------------------------- elastic mode
     def _commit(self) -> None:
-        """Horovod's State.save: keep a copy of this rank's state (in memory)."""
+        """Horovod's State.save: keep a copy of this rank's state in host memory (not on
+        the GPU, where it would double the model's footprint)."""
         if self.built:
-            self.committed = copy.deepcopy(self.state_dict())
+            self.committed = _host_copy(self.state_dict())
 
     def _restore(self) -> None:
         """Horovod's State.restore, after a rank failed: back to the last commit."""
@@ -611,10 +623,11 @@ class Trainer:
                     next(model.parameters()).fill_(float("nan"))
             lt = torch.stack(losses).double()
             finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            commit = self.elastic is not None and (k % cfg.dist.elastic_commit_every == 0 or k == K)
             slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": self.dist_prev,
                     "nonfinite": float(not finite), "stop": float(self.stop.requested is not None),
-                    # the coordinator's news of hosts leaving or joining (elastic mode)
-                    "hosts": float(self.elastic.host_update_pending()) if self.elastic and rank == 0 else 0.0}
+                    # the coordinator's news of hosts leaving or joining, acted on at this commit
+                    "hosts": float(self.elastic.host_update_pending()) if commit and rank == 0 else 0.0}
             if algo.syncs:
                 # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
                 with dog.collective("sync", k):
@@ -685,7 +698,7 @@ class Trainer:
                          f"resume with run.resume=true run.dir={self.run_dir}")
                 log.close()
                 return {"stopped_at": k, "run_dir": str(self.run_dir)}
-            if self.elastic:
+            if commit:
                 # Commit, then leave for a re-formed world if the coordinator heard of host
                 # changes (rows are the same on every rank: all leave at this step).
                 self.elastic.commit(int(rows[:, 5].sum()))
