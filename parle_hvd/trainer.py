@@ -2,6 +2,8 @@
 
     horovodrun -np 2 -H localhost:2 python train.py --config configs/fashion_parle.yaml
     mpirun -np 4 python train.py --config configs/fashion_parle.yaml parle.sync_period=50
+    horovodrun --gloo -np 3 --min-np 2 --max-np 4 --host-discovery-script launch/discover_hosts.sh \
+        python train.py --config configs/fashion_parle.yaml --elastic          # launch/elastic.sh
 
 Read top to bottom: set up (rank 0 resolves the run, all ranks load data and build their
 replica), one initial sync, then K outer steps of [L inner steps, outer update, one sync],
@@ -16,6 +18,11 @@ The one sync per outer step is ONE fused allreduce carrying, in one flat buffer:
 An evaluation is one more allreduce (float64 sums of correct, loss, count). So a run of
 K outer steps with E evaluations makes exactly K + 1 + E allreduces (the +1 forms the
 first reference from the independently initialised replicas).
+
+Elastic mode (dist.elastic): Horovod's elastic.run calls ``Trainer.loop``; each rank
+commits its state (the checkpoint dict) to host memory at the end of an outer step; a
+failed rank sends the others back to their last commit, in a smaller world; a new rank
+starts at the reference (``Trainer._elastic_sync``). docs/robustness.md has the details.
 """
 from __future__ import annotations
 
