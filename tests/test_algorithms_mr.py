@@ -11,6 +11,7 @@ import torch
 from multirank import ROOT, run_ranks
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model, sync_tensors
+from parle_hvd.trainer import SLOT
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [pytest.mark.multirank,
@@ -42,7 +43,7 @@ def test_every_algorithm_on_two_ranks_communicates_as_designed(tmp_path, algo):
     n_tensors = len(list(model.parameters()))
     K, E, Lk = s["outer_steps"], s["evaluations"], s["sync_period"]
     eval_bytes = 8 * (3 + 2 * 1)             # float64 [correct, loss, count] + one slot per replica
-    slots = 2 * 5                             # one row per rank: loss, loss_max, distance, nonfinite, stop
+    slots = 2 * len(SLOT)                     # one row per rank: loss, loss_max, distance, nonfinite, stop, hosts
     sync_bytes = 4 * (S + 2 * 3 + slots)      # float32: weights + BN stats, schedule (hi, lo), the slot rows
     nb = N_TRAIN // BS // (2 if algo == "dpsgd" else 1)
     assert K == math.ceil(nb / Lk) and E == 2
