@@ -308,6 +308,7 @@ class Trainer:
         self.elastic = None          # Horovod's elastic state (elastic mode)
         self.committed = None        # elastic mode: this rank's last commit
         self.events: list = []       # elastic mode: every change of the world, for the summary
+        self.commit_seconds = 0.0    # elastic mode: time spent committing (this process)
         self.restored = False
         self.log = None
         self.ds = None
@@ -512,7 +513,9 @@ class Trainer:
         """Horovod's State.save: keep a copy of this rank's state in host memory (not on
         the GPU, where it would double the model's footprint)."""
         if self.built:
+            t = time.monotonic()
             self.committed = _host_copy(self.state_dict())
+            self.commit_seconds += time.monotonic() - t
 
     def _restore(self) -> None:
         """Horovod's State.restore, after a rank failed: back to the last commit."""
@@ -724,7 +727,8 @@ class Trainer:
                    "final_replica_distance": self.spread[0], "final_replica_distance_max": self.spread[1],
                    "params": self.n_params, "world_size": self.world, "algo": cfg.algo,
                    "controller": comm.controller(), "device": str(self.dev), "resumed_from": self.resumed_from,
-                   "elastic": cfg.dist.elastic, "elastic_events": self.events, "config": to_dict(cfg)}
+                   "elastic": cfg.dist.elastic, "elastic_events": self.events,
+                   "elastic_commit_seconds": self.commit_seconds, "config": to_dict(cfg)}
         if self.rank == 0:
             try:   # both written whole or not at all
                 checkpoint.atomic_save(self.ref.state_dict(), self.run_dir / "final.pt")

@@ -96,6 +96,9 @@ def unbroken(tmp_path_factory):
     rc, out, s, d, _ = _elastic_run(tmp_path_factory.mktemp("elastic"), "unbroken", 3, 3)
     assert rc == 0 and s, out[-4000:]
     assert s["world_size"] == 3 and s["elastic_events"] == [] and s["outer_steps"] == K
+    assert 0 < s["elastic_commit_seconds"] < s["wall_seconds"]
+    print(f"elastic commits: {s['elastic_commit_seconds']:.3f} s of {s['wall_seconds']:.1f} s "
+          f"({s['elastic_commit_seconds'] / s['wall_seconds']:.4f} of the run)")
     return s
 
 
