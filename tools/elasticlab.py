@@ -15,23 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import time
 from typing import List, Optional
 
-from .lab import Lab
+from .lab import Lab, LabError, netns_pids, remove_netns, run
 
 
-class ElasticLabError(RuntimeError):
+class ElasticLabError(LabError):
     pass
-
-
-def _run(*cmd, check=True) -> subprocess.CompletedProcess:
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise ElasticLabError(f"{' '.join(map(str, cmd))}: {r.stderr.strip() or r.stdout.strip()}")
-    return r
 
 
 def available() -> Optional[str]:
@@ -59,25 +49,16 @@ class LoopbackHosts(Lab):
         return ["ip", "netns", "exec", self.ns]
 
     def _up(self) -> None:
-        _run("ip", "netns", "add", self.ns)
+        run("ip", "netns", "add", self.ns, error=ElasticLabError)
         self._made = True
-        _run(*self.prefix, "ip", "link", "set", "lo", "up")
+        run(*self.prefix, "ip", "link", "set", "lo", "up", error=ElasticLabError)
         for h in self.hosts[1:]:
-            _run(*self.prefix, "ip", "addr", "add", f"{h}/8", "dev", "lo")
+            run(*self.prefix, "ip", "addr", "add", f"{h}/8", "dev", "lo", error=ElasticLabError)
 
     def pids(self) -> List[int]:
-        return [int(p) for p in _run("ip", "netns", "pids", self.ns, check=False).stdout.split()]
+        return netns_pids(self.ns)
 
     def close(self) -> None:
-        if not self._made:
-            return
-        for p in self.pids():                     # anything a test left running inside
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _run("ip", "netns", "del", self.ns, check=False)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and self.ns in _run("ip", "netns", "list").stdout.split():
-            time.sleep(0.1)
-        self._made = False
+        if self._made:
+            remove_netns([self.ns])
+            self._made = False

@@ -22,18 +22,15 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .lab import Lab
+from .lab import Lab, LabError, remove_netns, run
 
 
-class NetLabError(RuntimeError):
+class NetLabError(LabError):
     pass
 
 
 def _run(*cmd, check=True, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
-    if check and r.returncode != 0:
-        raise NetLabError(f"{' '.join(map(str, cmd))}: {r.stderr.strip() or r.stdout.strip()}")
-    return r
+    return run(*cmd, check=check, error=NetLabError, **kw)
 
 
 def _links() -> set:
@@ -130,23 +127,12 @@ class TwoHosts(Lab):
                     os.kill(int(pidf.read_text().strip()), signal.SIGKILL)
                 except (ValueError, ProcessLookupError):
                     pass
-        for ns in self._made["netns"]:
-            pids = _run("ip", "netns", "pids", ns, check=False).stdout.split()
-            for p in pids:                       # anything a test left running on the host
-                try:
-                    os.kill(int(p), signal.SIGKILL)
-                except (ValueError, ProcessLookupError):
-                    pass
         for veth in self._made["veth"]:
             _run("ip", "link", "del", veth, check=False)
-        for ns in self._made["netns"]:
-            _run("ip", "netns", "del", ns, check=False)
+        remove_netns(self._made["netns"])        # with anything a test left running on the hosts
         if self._made["bridge"]:
             _run("ip", "link", "del", self.iface, check=False)
         self._made = {"bridge": False, "netns": [], "veth": []}
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (set(self.netns) & set(_run("ip", "netns", "list").stdout.split())):
-            time.sleep(0.1)
         if d:
             shutil.rmtree(d, ignore_errors=True)
             self.dir = None
