@@ -593,8 +593,7 @@ class Trainer:
             self.events = list(msg["events"])
             print(f"[rank {rank}] elastic: joined at outer step {self.k} as replica {self.replica_id}, "
                   f"starting at the reference (||x - xbar|| = {self.dist_prev:.3g})", file=sys.stderr, flush=True)
-            if rank == 0 or self.log is None:
-                self._open_log(self.k)
+            self._open_log(self.k)
         if new:
             self.events.append({"step": self.k, "world": world, "kept_ranks": keep, "joined_ranks": new,
                                 "joined_replicas": free})

@@ -127,3 +127,16 @@ def test_paper_presets_cover_every_row():
         assert (c.data.name, c.model.name, c.dist.expect_ranks) == (data, model, n)
         assert c.data.frac == frac and (c.data.split == "frac") == (frac < 1)
         assert c.train.epochs == 125 and c.parle.sync_period == 25   # 5 authors' epochs of L = 25 passes
+
+
+def test_elastic_mode_algorithms_are_those_with_a_per_replica_reference():
+    # config.py names them without importing the algorithms; keep the two in step
+    from parle_hvd.algorithms import ALGORITHMS
+    from parle_hvd.config import ELASTIC_ALGOS
+    assert set(ELASTIC_ALGOS) == {n for n, a in ALGORITHMS.items() if a.syncs and not a.shard_data}
+    for algo in ALGORITHMS:
+        if algo in ELASTIC_ALGOS:
+            assert make_config(None, [f"algo={algo}", "dist.elastic=true"]).dist.elastic
+        else:
+            with pytest.raises(ConfigError, match="dist.elastic: needs an algorithm with a reference"):
+                make_config(None, [f"algo={algo}", "dist.elastic=true"])
