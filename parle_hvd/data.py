@@ -9,12 +9,24 @@ files it expected and where to get them.
 Order of examples, fully determined by ``(seed, rank, pass)`` so that resuming needs no
 RNG state: the replica's window (``split=frac``) is cut after ONE shared shuffle seeded by
 ``seed``; pass ``e`` of replica ``a`` visits its window in the order
-``randperm(len, seed=hash(seed, a, e))``, in ``nb = len // batch`` full batches.
+``randperm(len, seed=hash("sampler", seed, a, e))``, in ``nb`` full batches, where ``nb``
+is the same on every replica (``common_nb``: the smallest window's ``len // batch``).
+
+Windows (``window_bounds``): replica ``i`` of ``n`` starts at ``floor(i*N/n)`` and ends at
+``floor(i*N/n + frac*N)`` (wrapping around), so ``frac = 1/n`` cuts the data into ``n``
+disjoint shards that cover it (sizes differ by at most one example), which is what
+data-parallel SGD uses. A replica id ``a >= n`` (an elastic joiner) takes the window of
+``a mod n`` with its own order.
+
+Every random stream is ``_gen(stream, *keys)``: the stream's name is hashed into the first
+key, so no counter (a pass, a step) can make two streams coincide.
 """
 from __future__ import annotations
 
 import gzip
+import hashlib
 import struct
+from fractions import Fraction
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -220,7 +232,8 @@ def _class_files(d: Path) -> dict:
 
 def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, seed: int = 0) -> Dataset:
     """Class subfolders of PNG/JPEG images: ``dir/train/<class>/*`` and ``dir/test/<class>/*``,
-    or ``dir/<class>/*`` with ``test_frac`` of each class held out (a fixed shuffle)."""
+    or ``dir/<class>/*`` with ``test_frac`` of each class held out (a shuffle fixed by ``seed``,
+    the run's train.seed)."""
     from PIL import Image, UnidentifiedImageError
     if not directory:
         raise DataError("folder: set data.dir to a directory of class subfolders of PNG/JPEG images")
@@ -240,7 +253,7 @@ def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, see
         split = {}
         for c in classes:
             fs = files[c]
-            perm = torch.randperm(len(fs), generator=_gen(seed, 0xF01D, len(fs))).tolist()
+            perm = torch.randperm(len(fs), generator=_gen("folder-split", seed, len(fs))).tolist()
             n_te = int(round(test_frac * len(fs))) if len(fs) > 1 else 0
             split[c] = ([fs[i] for i in perm[n_te:]], [fs[i] for i in perm[:n_te]])
     if len(classes) < 2 or any(not split[c][0] for c in classes):
@@ -283,23 +296,24 @@ def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, see
     return Dataset("folder", xtr, ytr, xte, yte, len(classes), mean, std)
 
 
-LOADERS = {"fashion-mnist": lambda c: load_idx_dataset("fashion-mnist", c.dir),
-           "mnist": lambda c: load_idx_dataset("mnist", c.dir),
-           "cifar10": lambda c: load_cifar("cifar10", c.dir),
-           "cifar100": lambda c: load_cifar("cifar100", c.dir),
-           "svhn": lambda c: load_svhn(c.dir, c.svhn_extra),
-           "folder": lambda c: load_folder(c.dir, c.image_size, c.test_frac)}
+LOADERS = {"fashion-mnist": lambda c, seed: load_idx_dataset("fashion-mnist", c.dir),
+           "mnist": lambda c, seed: load_idx_dataset("mnist", c.dir),
+           "cifar10": lambda c, seed: load_cifar("cifar10", c.dir),
+           "cifar100": lambda c, seed: load_cifar("cifar100", c.dir),
+           "svhn": lambda c, seed: load_svhn(c.dir, c.svhn_extra),
+           "folder": lambda c, seed: load_folder(c.dir, c.image_size, c.test_frac, seed)}
 
 
 def load_dataset(name: str, directory: str = "", train_limit: int = 0, test_limit: int = 0, *,
-                 cfg=None) -> Dataset:
-    """``cfg`` (a DataConfig) supplies the dataset-specific keys; name/directory otherwise."""
+                 cfg=None, seed: int = 0) -> Dataset:
+    """``cfg`` (a DataConfig) supplies the dataset-specific keys; name/directory otherwise.
+    ``seed`` (the run's train.seed) fixes any split the loader makes itself (folder)."""
     if name not in LOADERS:
         raise DataError(f"data.name: unknown dataset {name!r} (known: {', '.join(LOADERS)})")
     if cfg is None:
         from types import SimpleNamespace
         cfg = SimpleNamespace(dir=directory, svhn_extra=False, image_size=0, test_frac=0.1)
-    ds = LOADERS[name](cfg)
+    ds = LOADERS[name](cfg, seed)
     if train_limit:
         ds.train_x, ds.train_y = ds.train_x[:train_limit], ds.train_y[:train_limit]
     if test_limit:
@@ -308,46 +322,79 @@ def load_dataset(name: str, directory: str = "", train_limit: int = 0, test_limi
 
 
 # --------------------------------------------------------------------------- per-replica order
-def _gen(*keys: int) -> torch.Generator:
+def _stream_tag(stream: str) -> int:
+    return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
+
+
+def _gen(stream: str, *keys: int) -> torch.Generator:
+    """A generator for the named ``stream`` ("sampler", "augment", "bn", "window", ...),
+    seeded by a fixed mix of the stream's tag and the keys; stable across runs and platforms.
+    The tag comes first and no two streams share one, so a counter cannot reach another stream."""
+    if not isinstance(stream, str):
+        raise TypeError("_gen: the first argument names the stream")
     g = torch.Generator()
     h = 0x9E3779B97F4A7C15
-    for k in keys:   # a fixed mix of the keys; stable across runs and platforms
+    for k in (_stream_tag(stream), *keys):
         h = (h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     g.manual_seed(h & 0x7FFFFFFFFFFFFFFF)
     return g
 
 
+def window_bounds(n_train: int, world: int, frac: float) -> list[tuple[int, int]]:
+    """``(start, size)`` of every replica's window: replica ``i`` covers positions
+    ``[floor(i*N/n), floor(i*N/n + frac*N))`` of the shared shuffle (mod N). Exact rational
+    arithmetic, so ``frac = 1/n`` gives disjoint shards covering the data."""
+    f = Fraction(frac).limit_denominator(1_000_000)
+    out = []
+    for i in range(world):
+        start = (i * n_train) // world
+        end = (Fraction(i * n_train, world) + f * n_train).__floor__()
+        out.append((start, max(1, min(n_train, end - start))))
+    return out
+
+
 def replica_indices(n_train: int, *, rank: int, world: int, split: str, frac: float,
                     seed: int) -> torch.Tensor:
-    """The training examples replica ``rank`` sees (PARLE.md "Data split")."""
+    """The training examples replica ``rank`` sees (PARLE.md "Data split"); a replica id
+    beyond the world (an elastic joiner) takes the window of ``rank % world``."""
     if split == "full":
         return torch.arange(n_train)
-    perm = torch.randperm(n_train, generator=_gen(seed, 0xDA7A))
-    size = max(1, int(round(frac * n_train)))
-    start = (rank * n_train) // world
+    perm = torch.randperm(n_train, generator=_gen("window", seed))
+    start, size = window_bounds(n_train, world, frac)[rank % world]
     return perm[(start + torch.arange(size)) % n_train]
+
+
+def common_nb(n_train: int, *, world: int, split: str, frac: float, batch_size: int) -> int:
+    """Batches per pass, the same on every replica (else their step counts, and the
+    collectives, would differ): the smallest window's full batches."""
+    if split == "full":
+        return n_train // batch_size
+    return min(size for _, size in window_bounds(n_train, world, frac)) // batch_size
 
 
 class ReplicaSampler:
     """Endless stream of mini-batch index tensors over one replica's examples.
 
     ``nb`` full batches per pass (the last partial batch is dropped, so every batch, and
-    every BatchNorm estimate, has the same size). State is ``(pass, position)``."""
+    every BatchNorm estimate, has the same size; ``nb`` may be given, the same on every
+    replica, when windows differ in size by one example). Each pass reshuffles the whole
+    window, so an example left out of one pass is seen in others. State is ``(pass, position)``."""
 
-    def __init__(self, indices: torch.Tensor, batch_size: int, *, seed: int, rank: int):
-        if batch_size > len(indices):
+    def __init__(self, indices: torch.Tensor, batch_size: int, *, seed: int, rank: int,
+                 nb: Optional[int] = None):
+        if batch_size > len(indices) or nb == 0:
             raise DataError(f"train.batch_size {batch_size} is larger than a replica's data "
                             f"({len(indices)} examples)")
         self.indices = indices
         self.batch_size = batch_size
         self.seed, self.rank = seed, rank
-        self.nb = len(indices) // batch_size
+        self.nb = len(indices) // batch_size if nb is None else min(nb, len(indices) // batch_size)
         self.epoch, self.pos = 0, 0
         self._order = self._perm(0)
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        return self.indices[torch.randperm(len(self.indices), generator=_gen(self.seed, self.rank, epoch))]
+        return self.indices[torch.randperm(len(self.indices), generator=_gen("sampler", self.seed, self.rank, epoch))]
 
     def next(self) -> torch.Tensor:
         if self.pos >= self.nb:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from parle_hvd.data import (DataError, ReplicaSampler, augment_batch, load_dataset, read_idx, replica_indices,
-                            to_input)
+from parle_hvd.data import (DataError, ReplicaSampler, _gen, augment_batch, common_nb, load_dataset, read_idx,
+                            replica_indices, to_input, window_bounds)
 
 
 def write_idx(path, arr, gz=False):
@@ -130,3 +130,91 @@ def test_augment_batch_is_pad_crop_flip():
         ok = any(torch.equal(out[i], c) or torch.equal(out[i], c.flip(-1))
                  for dy in range(5) for dx in range(5) for c in [padded[i, :, dy:dy + 8, dx:dx + 8]])
         assert ok
+
+
+def test_augment_all_offsets_flip_rate_and_channels_together():
+    """Over 4000 images: every one of the (2*4+1)^2 = 81 crop offsets appears, about half
+    the images are flipped, and all channels of an image get the same crop and flip."""
+    n, h, pad = 4000, 8, 4
+    pos = (torch.arange(h * h) + 1).view(h, h)                 # each pixel names its source (1..64)
+    x = torch.stack([pos, pos + 100, pos + 150]).to(torch.uint8).unsqueeze(0).expand(n, 3, h, h).contiguous()
+    out = augment_batch(x, torch.Generator().manual_seed(5), pad=pad).long()
+    offsets, flips = set(), 0
+    for b in range(n):
+        c0 = out[b, 0]
+        inside = c0 > 0
+        # channels move together: the same pixels are padding, and the values keep their offsets
+        assert torch.equal(out[b, 1] > 0, inside) and torch.equal(out[b, 2] > 0, inside)
+        assert torch.equal((out[b, 1] - 100)[inside], c0[inside]) and torch.equal((out[b, 2] - 150)[inside], c0[inside])
+        ii, jj = inside.nonzero(as_tuple=True)
+        src = c0[ii, jj] - 1
+        si, sj = src // h, src % h
+        dy = set((si - ii + pad).tolist())
+        row = ii == ii[0]
+        flipped = bool(sj[row][1] < sj[row][0])               # source columns run backwards
+        dx = set((sj + jj - (h - 1) + pad).tolist() if flipped else (sj - jj + pad).tolist())
+        assert len(dy) == 1 and len(dx) == 1                   # one rigid shift per image
+        offsets.add((dy.pop(), dx.pop()))
+        flips += flipped
+    assert offsets == {(a, b) for a in range(2 * pad + 1) for b in range(2 * pad + 1)}
+    assert abs(flips / n - 0.5) < 0.05, flips / n
+
+
+def test_windows_when_n_does_not_divide_N():
+    """N = 11, n = 3: frac = 1/n gives disjoint windows that cover the data (sizes 3, 4, 4);
+    a larger frac gives contiguous wrapping windows starting at floor(i*N/n); every
+    replica gets the same number of batches per pass."""
+    perm = replica_indices(11, rank=0, world=1, split="frac", frac=1.0, seed=7).tolist()
+    assert window_bounds(11, 3, 1 / 3) == [(0, 3), (3, 4), (7, 4)]
+    wins = [replica_indices(11, rank=i, world=3, split="frac", frac=1 / 3, seed=7).tolist() for i in range(3)]
+    assert sorted(sum(wins, [])) == list(range(11))          # disjoint, and every example in one
+    assert [len(w) for w in wins] == [3, 4, 4]
+    half = [replica_indices(11, rank=i, world=3, split="frac", frac=0.5, seed=7).tolist() for i in range(3)]
+    for i, w in enumerate(half):
+        start = (i * 11) // 3
+        assert w == [perm[(start + j) % 11] for j in range(len(w))]
+    assert [len(w) for w in half] == [5, 6, 5] and half[2][-1] == perm[0]    # the last one wraps
+    assert common_nb(11, world=3, split="frac", frac=1 / 3, batch_size=2) == 1
+    assert common_nb(11, world=3, split="frac", frac=0.5, batch_size=2) == 2
+    assert common_nb(11, world=3, split="full", frac=1.0, batch_size=2) == 5
+    # an elastic joiner (replica id >= n) takes the window of id mod n, in its own order
+    joiner = replica_indices(11, rank=4, world=3, split="frac", frac=0.5, seed=7)
+    assert joiner.tolist() == half[1]
+    a = ReplicaSampler(joiner, 2, seed=7, rank=4, nb=2).next().tolist()
+    b = ReplicaSampler(torch.tensor(half[1]), 2, seed=7, rank=1, nb=2).next().tolist()
+    assert a != b
+
+
+@pytest.mark.parametrize("N,n", [(50000, 3), (100, 6), (60000, 7), (11, 3)])
+def test_dpsgd_shards_are_disjoint_and_cover_the_data(N, n):
+    """Data-parallel SGD's shards (frac = 1/n): no example twice, none left out; sizes
+    differ by at most one; the sampler takes the same number of batches on every rank."""
+    shards = [replica_indices(N, rank=r, world=n, split="frac", frac=1.0 / n, seed=42) for r in range(n)]
+    allx = torch.cat(shards)
+    assert len(allx) == N and len(torch.unique(allx)) == N
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    bs = 2 if N < 1000 else 128
+    nb = common_nb(N, world=n, split="frac", frac=1.0 / n, batch_size=bs)
+    assert all(ReplicaSampler(s, bs, seed=42, rank=r, nb=nb).nb == nb == min(sizes) // bs
+               for r, s in enumerate(shards))
+
+
+def test_random_streams_never_collide():
+    """Every stream's generator differs from every other's, whatever the counters: the
+    sampler at pass 166 is not the augmentation stream (0xA6 = 166 once made them equal)."""
+    seeds = {}
+    for r in range(8):
+        for e in range(400):
+            seeds[("sampler", r, e)] = _gen("sampler", 42, r, e).initial_seed()
+        seeds[("augment", r)] = _gen("augment", 42, r).initial_seed()
+        seeds[("langevin", r)] = _gen("langevin", 42, r).initial_seed()
+    for step in range(400):
+        seeds[("bn", step)] = _gen("bn", 42, step).initial_seed()
+    seeds[("window",)] = _gen("window", 42).initial_seed()
+    for c in range(400):
+        seeds[("folder-split", c)] = _gen("folder-split", 42, c).initial_seed()
+    assert len(set(seeds.values())) == len(seeds)
+    assert _gen("sampler", 42, 0, 166).initial_seed() != _gen("augment", 42, 0).initial_seed()
+    with pytest.raises(TypeError):
+        _gen(42, 0, 166)                                     # the stream is named first

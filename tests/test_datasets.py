@@ -2,6 +2,7 @@
 format written here, read back, bad files rejected with one clear line, and one training
 step on a tiny CIFAR-10 and a tiny image folder."""
 import json
+import math
 import pickle
 
 import numpy as np
@@ -145,12 +146,37 @@ def _one_step(tmp_path, *over):
     return train(cfg)
 
 
+def _assert_trained(tmp_path, s, sd, model, classes, size):
+    """The step moved the weights away from the initialisation (seed 42 + replica 0), and
+    every loss it reports is finite."""
+    torch.manual_seed(42)
+    init = build_model(model, num_classes=classes, in_channels=3, image_size=size).state_dict()
+    moved = [k for k, v in init.items() if v.is_floating_point() and "running" not in k and not torch.equal(v, sd[k])]
+    assert len(moved) > len([k for k in init if "running" not in k and "num_batches" not in k]) // 2, moved
+    lines = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    losses = [l["train/loss"] for l in lines if "train/loss" in l] + [s["val_loss"]]
+    assert len(losses) >= 2 and all(math.isfinite(v) for v in losses), losses
+    assert 0.0 <= s["val_accuracy"] <= 1.0
+
+
+def test_folder_held_out_split_follows_the_seed(tmp_path):
+    """dir/<class>/* without train/test: the held-out part is fixed by train.seed (the same
+    seed, the same split; another seed, another split)."""
+    write_folder(tmp_path / "g", split=False, per_class=10)
+    cfg = make_config(None, ["data.name=folder", f"data.dir={tmp_path / 'g'}", "data.test_frac=0.3"]).data
+    a, b = load_dataset("folder", cfg=cfg, seed=1), load_dataset("folder", cfg=cfg, seed=1)
+    c = load_dataset("folder", cfg=cfg, seed=2)
+    assert torch.equal(a.test_x, b.test_x)
+    assert not torch.equal(a.test_x, c.test_x) and a.test_x.shape == c.test_x.shape
+
+
 def test_train_one_step_on_tiny_cifar10(tmp_path):
     write_cifar10(tmp_path / "c")
     s = _one_step(tmp_path, "data.name=cifar10", f"data.dir={tmp_path / 'c'}", "model.name=allcnn",
                   "data.augment=true", "parle.sync_period=1", "train.epochs=0.05")
-    assert s["outer_steps"] == 1 and s["inner_steps"] == 1 and 0.0 <= s["val_accuracy"] <= 1.0
+    assert s["outer_steps"] == 1 and s["inner_steps"] == 1
     sd = torch.load(tmp_path / "run/final.pt")
+    _assert_trained(tmp_path, s, sd, "allcnn", 10, 32)
     assert sum(v.numel() for k, v in sd.items() if "running" not in k and "num_batches" not in k) == \
         count_params(build_model("allcnn", num_classes=10, in_channels=3, image_size=32))
 
@@ -160,5 +186,6 @@ def test_train_one_step_on_tiny_image_folder(tmp_path):
     s = _one_step(tmp_path, "data.name=folder", f"data.dir={tmp_path / 'f'}", "model.name=resnet18",
                   "algo=sgd", "train.block=1", "train.epochs=0.5")
     assert s["outer_steps"] == 1 and s["algo"] == "sgd"
+    _assert_trained(tmp_path, s, torch.load(tmp_path / "run/final.pt"), "resnet18", 3, 12)
     assert json.loads((tmp_path / "run/summary.json").read_text())["params"] == \
         count_params(build_model("resnet18", num_classes=3, in_channels=3, image_size=12))
