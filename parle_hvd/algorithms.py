@@ -22,6 +22,7 @@ from torch import nn
 
 from . import comm
 from .diloco import diloco_outer_step_
+from .data import _gen
 from .elastic import elastic_step_
 from .parle import Parle
 
@@ -32,6 +33,7 @@ class Algorithm:
     same_init = False        # replicas must start from rank 0's weights
     shard_data = False       # each rank a disjoint shard (data-parallel), not its own replica's data
     couplings = ()           # which of gamma/rho the algorithm uses (for logging)
+    ref_is_mean = False      # the reference is the replicas' mean (elastic mode re-forms it when one is lost)
 
     def __init__(self, model: nn.Module, cfg, world: int, rank: int):
         self.model, self.cfg, self.world, self.rank = model, cfg, world, rank
@@ -59,6 +61,7 @@ class Algorithm:
         return []
 
     def state_dict(self) -> dict:
+        """What a resume needs beyond the model's weights, as live tensors (the caller copies)."""
         return {}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -86,6 +89,7 @@ class ParleAlgo(Algorithm):
     """Parle (parle.py): L local-entropy inner steps, then the outer step with the elastic pull."""
     name = "parle"
     couplings = ("gamma", "rho")
+    ref_is_mean = True
 
     def __init__(self, model, cfg, world, rank):
         super().__init__(model, cfg, world, rank)
@@ -122,7 +126,7 @@ class EntropyAlgo(ParleAlgo):
     couplings = ("gamma",)
 
     def _noise(self):
-        self.gen = torch.Generator().manual_seed(self.cfg.train.seed * 1000003 + self.rank)
+        self.gen = _gen("langevin", self.cfg.train.seed, self.rank)
         return {"noise": self.cfg.entropy.noise, "generator": self.gen}
 
     def end_outer(self, xbar, *, rk, lr):
@@ -141,23 +145,26 @@ class EntropyAlgo(ParleAlgo):
 
 
 class ElasticAlgo(Algorithm):
-    """Elastic-SGD (elastic.py): every step x -= lr*(grad + wd x + rk (x - xbar)), the
-    reference re-formed every elastic.sync_period steps."""
+    """Elastic-SGD (elastic.py), PARLE.md's form: every step
+    x -= lr*(grad + wd x + rk (x - xbar)), the reference re-formed every elastic.sync_period
+    steps. No momentum unless elastic.momentum > 0 (then Nesterov or heavy ball as optim.nesterov)."""
     name = "elastic"
     couplings = ("rho",)
+    ref_is_mean = True
 
     def __init__(self, model, cfg, world, rank):
         super().__init__(model, cfg, world, rank)
         self.L = cfg.elastic.sync_period
-        self.bufs = [torch.zeros_like(p) for p in self.params]
+        self.bufs = [torch.zeros_like(p) for p in self.params] if cfg.elastic.momentum > 0 else []
 
     def inner_step(self, *, gk, rk, lr, xbar):
-        O = self.cfg.optim
-        elastic_step_([p.data for p in self.params], [p.grad for p in self.params], list(xbar), self.bufs,
-                      lr=lr, rho_inv=rk, weight_decay=O.weight_decay, momentum=O.momentum, nesterov=O.nesterov)
+        O, E = self.cfg.optim, self.cfg.elastic
+        bufs = self.bufs or [None] * len(self.params)
+        elastic_step_([p.data for p in self.params], [p.grad for p in self.params], list(xbar), bufs,
+                      lr=lr, rho_inv=rk, weight_decay=O.weight_decay, momentum=E.momentum, nesterov=O.nesterov)
 
     def state_dict(self):
-        return {"bufs": [b.clone() for b in self.bufs]}
+        return {"bufs": self.bufs}
 
     def load_state_dict(self, sd):
         _copy_(self.bufs, sd["bufs"])
@@ -225,8 +232,7 @@ class DiLoCoAlgo(Algorithm):
         return self.theta + self.bufs          # the global model and its outer momentum
 
     def state_dict(self):
-        return {"opt": self.opt.state_dict(), "theta": [t.clone() for t in self.theta],
-                "bufs": [b.clone() for b in self.bufs]}
+        return {"opt": self.opt.state_dict(), "theta": self.theta, "bufs": self.bufs}
 
     def load_state_dict(self, sd):
         self.opt.load_state_dict(sd["opt"])
@@ -279,9 +285,13 @@ class DPSGDAlgo(SGDAlgo):
         self.opt.step()                                        # all ranks reach this, every step
 
     def form_reference(self, model_t, ref_t):
-        # The weights are identical on every rank; BatchNorm statistics are not: average them.
+        # The weights are identical on every rank and are copied as they are (an average
+        # would round them: (w+w+w)/3 != w in float32); BatchNorm statistics are not: average
+        # only those. No buffers (LeNet): no collective, on every rank alike.
         _copy_(ref_t, model_t)
-        comm.allreduce_mean_(ref_t, name="ref")                # all ranks reach this
+        buffers = ref_t[len(self.params):]
+        if buffers:
+            comm.allreduce_mean_(buffers, name="ref.bn")          # all ranks reach this
 
 
 ALGORITHMS = {a.name: a for a in (ParleAlgo, SGDAlgo, DPSGDAlgo, ElasticAlgo, EntropyAlgo, LocalSGDAlgo, DiLoCoAlgo)}

@@ -115,9 +115,12 @@ class OptimConfig:
 @dataclass
 class ElasticConfig:
     sync_period: int = _f(1, "tau: steps between two references (Elastic-SGD averages every step by default)")
+    momentum: float = _f(0.0, "momentum of the Elastic-SGD step (0 = PARLE.md's form; Nesterov or heavy ball "
+                         "as optim.nesterov)")
 
     def __post_init__(self):
         _check(self.sync_period >= 1, "elastic.sync_period", f"must be >= 1, got {self.sync_period}")
+        _check(0.0 <= self.momentum < 1.0, "elastic.momentum", f"must be in [0, 1), got {self.momentum}")
 
 
 @dataclass

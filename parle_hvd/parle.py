@@ -228,15 +228,21 @@ class Parle:
             p.copy_(x)
 
     def state_dict(self) -> dict:
-        return {"x": [t.clone() for t in self.x], "z": [t.clone() for t in self.z],
-                "v_in": [t.clone() for t in self.v_in], "v_out": [t.clone() for t in self.v_out],
-                "hp": vars(self.hp).copy()}
+        """What a resume needs between outer steps: the two momentum buffers (live tensors;
+        the caller copies). ``x[a]`` is the model's parameters then, and ``z`` restarts from it
+        at the next outer step, so neither is saved."""
+        return {"v_in": self.v_in, "v_out": self.v_out, "hp": vars(self.hp).copy()}
 
+    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        for name in ("x", "z", "v_in", "v_out"):
+        """Load the momentum buffers (after the model's weights: ``x = z = params``)."""
+        for name in ("v_in", "v_out"):
             src = sd[name]
             dst = getattr(self, name)
             if len(src) != len(dst) or any(a.shape != b.shape for a, b in zip(src, dst)):
                 raise ValueError(f"Parle state {name!r} does not match this model's parameters")
             for d, s in zip(dst, src):
                 d.copy_(s)
+        for p, x, z in zip(self.params, self.x, self.z):
+            x.copy_(p)
+            z.copy_(p)

@@ -12,6 +12,7 @@ from torch import nn
 
 from parle_hvd.algorithms import make_algorithm
 from parle_hvd.config import make_config
+from parle_hvd.data import _gen
 from parle_hvd.diloco import diloco_outer_step_
 from parle_hvd.elastic import elastic_step_
 from parle_hvd.models import sync_tensors
@@ -143,8 +144,10 @@ def test_elastic_matches_parle_md_formula(tau, mu):
     s, nb, r0, rmax = 0.5, 2, 1.0, 2.0
     data, x0 = batches(n, K * tau), inits(n)
     rk_of = lambda k: min(r0 * (1 + s / nb) ** k, rmax)
-    models, _, _ = simulate("elastic", [f"elastic.sync_period={tau}", f"optim.weight_decay={WD}",
-                                         f"optim.momentum={mu}"], n, K, data, x0,
+    # optim.momentum stays at its default 0.9: Elastic-SGD's own momentum is elastic.momentum
+    # (0 by default, PARLE.md's form)
+    over = [f"elastic.sync_period={tau}", f"optim.weight_decay={WD}"] + ([f"elastic.momentum={mu}"] if mu else [])
+    models, _, _ = simulate("elastic", over, n, K, data, x0,
                             sched=lambda k: (0, rk_of(k), LR))
     x = [list(x0[a]) for a in range(n)]
     v = [[torch.zeros_like(t) for t in x0[0]] for _ in range(n)]
@@ -179,7 +182,7 @@ def test_entropy_matches_hand_loop_with_langevin_noise(noise):
     models, _, _ = simulate("entropy", [f"parle.sync_period={L}", f"optim.weight_decay={WD}", f"entropy.noise={noise}", f"optim.lr={LR}",
                                          f"train.seed={seed}"], 1, K, data, x0,
                             sched=lambda k: (gk_of(k), 99.0, LR))   # rk is ignored: one replica
-    gen = torch.Generator().manual_seed(seed * 1000003 + 0)
+    gen = _gen("langevin", seed, 0)           # the replica's own stream (data._gen)
     x = list(x0[0])
     v_in = [torch.zeros_like(t) for t in x]
     v_out = [torch.zeros_like(t) for t in x]

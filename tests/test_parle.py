@@ -1,5 +1,6 @@
 """The Parle math in float64 against a hand-written loop that follows PARLE.md line by
 line, each special case of PARLE.md, and the schedules against their closed forms."""
+import copy
 import math
 
 import pytest
@@ -40,8 +41,9 @@ def make_batches(n, K, L, seed=0):
               for _ in range(L)] for _ in range(K)] for _ in range(n)]
 
 
-def reference_loop(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s, wd, mu, alpha):
-    """PARLE.md's "One outer step k", written out on flat vectors, replicas in parallel."""
+def reference_loop(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s, wd, mu, alpha, nesterov=True):
+    """PARLE.md's "One outer step k", written out on flat vectors, replicas in parallel
+    (``nesterov=False``: heavy-ball momentum, the step direction is the buffer itself)."""
     n = len(x0)
     x = [v.clone() for v in x0]
     v_in = [torch.zeros_like(v) for v in x0]
@@ -58,12 +60,12 @@ def reference_loop(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s
             for l in range(L):
                 g = grad_flat(y, batches[a][k - 1][l]) + wd * y + gk * (y - x[a])
                 v_in[a] = mu * v_in[a] + g
-                g = g + mu * v_in[a]
+                g = g + mu * v_in[a] if nesterov else v_in[a]
                 y = y - lr * g
                 z = alpha * z + (1 - alpha) * y
             d = (x[a] - z) + rk * (x[a] - xbar)
             v_out[a] = mu * v_out[a] + d
-            d = d + mu * v_out[a]
+            d = d + mu * v_out[a] if nesterov else v_out[a]
             new.append(x[a] - lr_k * d)
         x = new
     return x
@@ -72,7 +74,8 @@ def reference_loop(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s
 def run_parle(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s, wd, mu, alpha, nesterov=True,
               resume=None):
     """The library: one Parle object per replica, the allreduce simulated by a mean.
-    ``resume=(k0, [state_dict per replica])`` continues after outer step k0 from saved states."""
+    ``resume=(k0, [(weights, state_dict) per replica])`` continues after outer step k0 from
+    saved weights (x[a]) and optimizer states, loaded in the trainer's order: weights first."""
     n = len(x0)
     params = [[torch.nn.Parameter(v[:D_IN * D_OUT].view(D_OUT, D_IN).clone()),
                torch.nn.Parameter(v[D_IN * D_OUT:].clone())] for v in x0]
@@ -82,10 +85,11 @@ def run_parle(x0, batches, *, K, L, nb, lr, lr_sched, g0, gmax, r0, rmax, s, wd,
     if resume:
         k0, states = resume
         for a in range(n):
-            opts[a].load_state_dict(states[a])
+            weights, st = states[a]
             with torch.no_grad():
-                for p, x in zip(params[a], states[a]["x"]):
+                for p, x in zip(params[a], weights):
                     p.copy_(x)
+            opts[a].load_state_dict(st)
     for k in range(k0 + 1, K + 1):
         gk, rk = scoping(k, gamma0_inv=g0, gamma_min_inv=gmax, rho0_inv=r0, rho_min_inv=rmax, scoping=s, nb=nb)
         xbar = [sum(params[a][i].detach() for a in range(n)) / n for i in range(2)]
@@ -121,8 +125,13 @@ def test_several_outer_steps_match_reference_loop_with_scoping_and_caps():
     got, _ = run_parle(x0s(n), b, lr_sched=lr_sched, **HP)
     for a in range(n):
         assert torch.allclose(got[a], ref[a], rtol=0, atol=1e-12), (a, (got[a] - ref[a]).abs().max())
-    # and the replicas did move apart from where they started, and toward each other
+    # and the replicas did move from where they started, and toward each other: the spread
+    # around their mean shrinks, and shrinks more than without the elastic coupling
     assert all((g - x).abs().max() > 1e-2 for g, x in zip(got, x0s(n)))
+    spread = lambda xs: float(sum((x - sum(xs) / len(xs)).norm() for x in xs))
+    free, _ = run_parle(x0s(n), b, lr_sched=lr_sched, **{**HP, "r0": 0.0, "rmax": 0.0})
+    assert spread(got) < 0.8 * spread(x0s(n)), (spread(got), spread(x0s(n)))
+    assert spread(got) < 0.8 * spread(free), (spread(got), spread(free))
 
 
 def test_n1_is_entropy_sgd_without_elastic_term():
@@ -204,6 +213,20 @@ def test_grad_none_gets_only_decay_and_coupling():
     assert torch.allclose(y[0], torch.full((2,), 1 - 0.1 * (0.1 + 0.5)))
 
 
+def test_heavy_ball_over_several_outer_steps_matches_reference_loop():
+    """nesterov=False through K = 6 outer steps (both buffers carried across steps), with
+    scoping, the elastic term and weight decay: equal to the heavy-ball reference loop."""
+    n = 2
+    b = make_batches(n, HP["K"], HP["L"], seed=3)
+    lr_sched = lambda k: 0.1 if k < 4 else 0.05
+    ref = reference_loop(x0s(n), b, lr_sched=lr_sched, nesterov=False, **HP)
+    got, _ = run_parle(x0s(n), b, lr_sched=lr_sched, nesterov=False, **HP)
+    nest = reference_loop(x0s(n), b, lr_sched=lr_sched, **HP)
+    for a in range(n):
+        assert torch.allclose(got[a], ref[a], rtol=0, atol=1e-12), (a, (got[a] - ref[a]).abs().max())
+        assert not torch.allclose(got[a], nest[a], rtol=0, atol=1e-6)     # the variants really differ
+
+
 def test_heavy_ball_variant():
     y, x, v = [torch.ones(1)], [torch.ones(1)], [torch.full((1,), 2.0)]
     parle_inner_step_(y, [torch.ones(1)], x, v, lr=0.1, gamma_inv=0.0, weight_decay=0.0, momentum=0.5, nesterov=False)
@@ -245,21 +268,22 @@ def test_lr_schedules_closed_form():
 
 
 def test_state_dict_roundtrip_continues_identically():
-    """Stop after 2 outer steps, restore x, z and both momentum buffers into fresh objects,
-    run 2 more: bit-identical to 4 uninterrupted steps. Zeroed buffers would differ."""
+    """Stop after 2 outer steps, restore the weights (x) and both momentum buffers into fresh
+    objects, run 2 more: bit-identical to 4 uninterrupted steps. Zeroed buffers would differ.
+    The state holds the momentum buffers only: x is the weights then and z restarts from x."""
     n = 2
     b = make_batches(n, 4, 3)
     hp = {**HP, "K": 4, "L": 3}
     lr_sched = lambda k: 0.1
     full, _ = run_parle(x0s(n), b, lr_sched=lr_sched, **hp)
     _, opts = run_parle(x0s(n), b, lr_sched=lr_sched, **{**hp, "K": 2})
-    states = [o.state_dict() for o in opts]
-    assert set(states[0]) >= {"x", "z", "v_in", "v_out"} and states[0]["v_out"][0].abs().sum() > 0
+    states = [([p.detach().clone() for p in o.params], copy.deepcopy(o.state_dict())) for o in opts]
+    assert set(states[0][1]) == {"v_in", "v_out", "hp"} and states[0][1]["v_out"][0].abs().sum() > 0
     resumed, _ = run_parle(x0s(n), b, lr_sched=lr_sched, resume=(2, states), **hp)
     for a in range(n):
         assert torch.equal(resumed[a], full[a])
-    zeroed = [{**st, "v_in": [torch.zeros_like(t) for t in st["v_in"]]} for st in states]
+    zeroed = [(w, {**st, "v_in": [torch.zeros_like(t) for t in st["v_in"]]}) for w, st in states]
     other, _ = run_parle(x0s(n), b, lr_sched=lr_sched, resume=(2, zeroed), **hp)
     assert not torch.equal(other[0], full[0])
     with pytest.raises(ValueError):
-        opts[0].load_state_dict({**states[0], "x": states[0]["x"][:1]})
+        opts[0].load_state_dict({**states[0][1], "v_in": states[0][1]["v_in"][:1]})
