@@ -114,14 +114,33 @@ def prune(root: Path, rank: int, keep: int) -> None:
                 shutil.rmtree(step_dir(root, s), ignore_errors=True)
 
 
-def latest_complete(root: Path, world: int) -> Optional[int]:
-    """The newest step for which every rank 0..world-1 has a file (and no rank beyond:
-    an elastic run's step written by more ranks is not this world's), or None."""
+def complete_steps(root: Path, world: int) -> list[int]:
+    """The steps, newest first, for which every rank 0..world-1 has a file (and no rank
+    beyond: an elastic run's step written by more ranks is not this world's). A file that
+    exists may still be torn (a node lost mid-write on a shared filesystem): the resume
+    checks that each loads (trainer.agree_on_checkpoint)."""
+    out = []
     for s in reversed(steps(root)):
         d = step_dir(root, s)
         if all((d / f"rank-{r}.pt").is_file() for r in range(world)) and not (d / f"rank-{world}.pt").exists():
-            return s
-    return None
+            out.append(s)
+    return out
+
+
+def latest_complete(root: Path, world: int) -> Optional[int]:
+    """The newest complete step (``complete_steps``), or None."""
+    c = complete_steps(root, world)
+    return c[0] if c else None
+
+
+def set_aside(root: Path, step: int) -> Path:
+    """Move an unusable step (a file that does not load) out of the way, kept for a look:
+    ``checkpoints/unreadable-step-<k>`` (no longer a step to resume or prune)."""
+    src = step_dir(root, step)
+    dst = src.with_name(f"unreadable-{src.name}")
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(src, dst)
+    return dst
 
 
 def latest_complete_any(root: Path) -> Optional[tuple[int, int]]:

@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ from torch import nn
 
 from . import checkpoint, comm
 from .config import Config, to_dict
-from .data import ReplicaSampler, augment_batch, load_dataset, replica_indices, to_input, _gen
+from .data import ReplicaSampler, augment_batch, common_nb, load_dataset, replica_indices, to_input, _gen
 from .logger import RunLogger
 from .models import build_model, sync_tensors
 from .algorithms import ALGORITHMS
@@ -54,7 +55,8 @@ from .checkpoint import CheckpointError
 from .watchdog import StopSignal, Watchdog
 from .parle import lr_at, scoping
 
-SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop", "hosts")   # one row per replica in every sync
+# one row per replica in every sync; "ckpt": this rank could not write its last checkpoint
+SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop", "hosts", "ckpt")
 SCHED = ("gk", "rk", "lr")                               # rank 0's values for the next step
 
 
@@ -66,11 +68,11 @@ class DivergenceError(RuntimeError):
     """Non-finite loss or weights; one line, exit 3, the last complete checkpoint kept."""
 
 
-def _injected_nan(rank: int, step: int) -> bool:
-    """Testing hook: PARLE_HVD_INJECT_NAN="<rank>:<outer step>" poisons that replica's
-    weights after that outer step's inner loop (tests/test_robustness.py)."""
-    v = os.environ.get("PARLE_HVD_INJECT_NAN", "")
-    return v == f"{rank}:{step}"
+def _injected(hook: str, rank: int, step: int) -> bool:
+    """Testing hooks (tests/test_robustness.py), "<rank>:<outer step>":
+    PARLE_HVD_INJECT_NAN poisons that replica's weights after that outer step's inner loop;
+    PARLE_HVD_INJECT_STOP acts as if a SIGTERM reached that rank during that outer step."""
+    return os.environ.get(hook, "") == f"{rank}:{step}"
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -132,6 +134,22 @@ def replica_distance(model: nn.Module, ref: nn.Module) -> float:
     return math.sqrt(s)
 
 
+def outer_schedule(k: int, *, L: int, nb: int, parle, optim, epochs: float) -> tuple:
+    """``(gk, rk, lr)`` for outer step ``k`` of ``L`` inner steps, ``nb`` batches per pass.
+
+    One clock for every algorithm, passes over the data: the couplings grow as PARLE.md's
+    ``(1 + s/nb)^k`` with ``k`` counted in Parle outer steps of ``parle.sync_period`` inner
+    steps, i.e. ``k_scope = k * L / parle.sync_period`` (= k for Parle), so Elastic-SGD
+    (L = tau) has the coupling Parle has after the same number of passes. The learning rate
+    is read at the middle of the step, ``passes = (k - 1/2) * L / nb``, so a warm-up never
+    gives a whole step lr 0 and a milestone applies from the step whose middle passes it."""
+    gk, rk = scoping(k * L / parle.sync_period, gamma0_inv=parle.gamma0_inv, gamma_min_inv=parle.gamma_min_inv,
+                     rho0_inv=parle.rho0_inv, rho_min_inv=parle.rho_min_inv, scoping=parle.scoping, nb=nb)
+    lr = lr_at((k - 0.5) * L / nb, lr=optim.lr, schedule=optim.schedule, milestones=optim.milestones,
+               decay=optim.decay, total_passes=epochs, warmup_passes=optim.warmup_passes)
+    return gk, rk, lr
+
+
 # --------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype,
@@ -150,7 +168,7 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
     for m in ref.modules():
         if isinstance(m, nn.Dropout):
             m.eval()                 # no dropout, and no draw from the training RNG
-    perm = torch.randperm(len(ds.train_x), generator=_gen(seed, 0xB4, step))
+    perm = torch.randperm(len(ds.train_x), generator=_gen("bn", seed, step))
     for i in range(min(batches, len(perm) // batch_size or 1)):
         idx = perm[i * batch_size:(i + 1) * batch_size]
         ref(to_input(ds.train_x[idx].to(dev), ds.mean, ds.std, dtype))
@@ -202,8 +220,9 @@ def _versions() -> dict:
     return v
 
 
-def resolve_run_dir(cfg: Config) -> Path:
-    """Rank 0 only: the run directory, created and checked writable."""
+def resolve_run_dir(cfg: Config) -> tuple[Path, bool]:
+    """Rank 0 only: the run directory, created and checked writable, and whether this call
+    created it (a start that fails removes it again if it holds nothing: ``discard_if_empty``)."""
     if cfg.run.dir:
         d = Path(cfg.run.dir)
     elif cfg.run.resume:
@@ -214,6 +233,7 @@ def resolve_run_dir(cfg: Config) -> Path:
         d = cands[-1]
     else:
         d = Path("runs") / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    created = not d.exists()
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / f".write-test-{os.getpid()}"
@@ -221,7 +241,19 @@ def resolve_run_dir(cfg: Config) -> Path:
         probe.unlink()
     except OSError as e:
         raise RunError(f"run.dir: cannot write to {d} ({e.strerror or e})") from None
-    return d
+    return d, created
+
+
+def discard_if_empty(d: Path) -> None:
+    """Remove run directory ``d`` if it holds no file but the watchdog's heartbeats: what a
+    start that failed leaves behind."""
+    d = Path(d)
+    try:
+        if any(p.is_file() for p in d.rglob("*") if ".heartbeat" not in p.relative_to(d).parts):
+            return
+        shutil.rmtree(d, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int], int]:
@@ -231,21 +263,24 @@ def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int], int]:
     checkpoint written by another number of ranks; any other run needs its own number."""
     msg = None
     world = comm.size()
+    created = False
     if rank == 0:
+        d = None
         try:
-            d = resolve_run_dir(cfg)
+            d, created = resolve_run_dir(cfg)
             cfg.run.dir = str(d)
-            step, ckpt_world = None, world
+            steps, ckpt_world = [], world
             if cfg.run.resume:
                 if cfg.dist.elastic:
-                    step, ckpt_world = checkpoint.latest_complete_any(d) or (None, world)
-                else:
-                    step = checkpoint.latest_complete(d, world)
-                if step is None:
+                    _, ckpt_world = checkpoint.latest_complete_any(d) or (None, world)
+                steps = checkpoint.complete_steps(d, ckpt_world)
+                if not steps:
                     raise RunError(f"run.resume: no complete checkpoint for {world} ranks in {d}/checkpoints"
                                    if not cfg.dist.elastic else f"run.resume: no complete checkpoint in {d}/checkpoints")
-            msg = {"cfg": cfg, "step": step, "ckpt_world": ckpt_world}
+            msg = {"cfg": cfg, "steps": steps, "ckpt_world": ckpt_world}
         except RunError as e:
+            if created:
+                discard_if_empty(d)
             msg = {"error": str(e)}
     mine = to_dict(cfg)
     msg = comm.broadcast_object(msg)           # all ranks reach this
@@ -257,7 +292,55 @@ def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int], int]:
     if rank != 0 and diff:
         print(f"[rank {rank}] warning: config differs from rank 0's in {', '.join(diff)}; using rank 0's",
               file=sys.stderr, flush=True)
-    return msg["cfg"], Path(msg["cfg"].run.dir), msg["step"], msg["ckpt_world"]
+    return msg["cfg"], Path(msg["cfg"].run.dir), msg["steps"], msg["ckpt_world"], created
+
+
+def agree_on_checkpoint(run_dir: Path, steps: list, rank: int, ckpt_world: int) -> tuple[Optional[int], dict, dict]:
+    """Every rank tries to load its file of the complete ``steps`` (newest first); the ranks
+    agree on the newest step that loads on every rank. Returns ``(step, this rank's state,
+    {skipped step: this rank's error})``; step is None if no step loads everywhere.
+
+    A round is one small allreduce of two flags per step (failed here, loaded here); each
+    rank loads only what it must: its newest loadable file, then whatever step the round
+    chose that it has not tried. Decisions follow the summed flags only, so every rank makes
+    the same number of rounds. A rank without a replica in the checkpoint (an elastic run
+    resumed on more ranks) loads nothing and agrees to every step. All ranks reach this."""
+    tried: dict = {}
+
+    def load(i: int) -> bool:
+        if i not in tried:
+            if rank >= ckpt_world:
+                tried[i] = {}
+            else:
+                try:
+                    tried[i] = checkpoint.load(run_dir, steps[i], rank)
+                except CheckpointError as e:
+                    tried[i] = e
+        return not isinstance(tried[i], CheckpointError)
+
+    world, i = comm.size(), 0
+    while True:
+        # my newest loadable step, at index i or later: the steps before it fail here
+        j = i
+        while j < len(steps) and not load(j):
+            j += 1
+        flags = torch.zeros(2, len(steps) + 1, dtype=torch.float64)
+        for t, v in tried.items():
+            flags[0 if isinstance(v, CheckpointError) else 1, t] = 1.0
+        comm.allreduce_sum_([flags], name="resume.agree")        # all ranks reach this
+        ok = [t for t in range(i, len(steps)) if flags[0, t] == 0]
+        if not ok:
+            errors = {steps[t]: str(v) for t, v in tried.items() if isinstance(v, CheckpointError)}
+            return None, {}, errors
+        t = ok[0]
+        if flags[1, t] == world:                 # loaded on every rank
+            errors = {steps[u]: str(v) for u, v in tried.items() if isinstance(v, CheckpointError) and u < t}
+            return steps[t], tried[t], errors
+        for u in list(tried):
+            if u < t and not isinstance(tried[u], CheckpointError):
+                tried.pop(u)                     # newer than any possible agreement: free its state
+        load(t)                                  # the step every rank could still agree on: try it here
+        i = t
 
 
 def pick_device(want: str) -> torch.device:
@@ -310,6 +393,9 @@ class Trainer:
         self.events: list = []       # elastic mode: every change of the world, for the summary
         self.commit_seconds = 0.0    # elastic mode: time spent committing (this process)
         self.restored = False
+        self.ckpt_error = None       # this rank's failed checkpoint write, reported at the next sync
+        self.removal_only = False    # elastic mode: the interrupt in flight removes hosts only (no sync follows)
+        self.created_dir = False     # rank 0 made the run directory in this start (removed if the start fails)
         self.log = None
         self.ds = None
         self.built = False
@@ -348,11 +434,15 @@ class Trainer:
         # Data: every replica holds the whole dataset in memory (uint8) and its own window/order;
         # data-parallel SGD gives each rank a disjoint shard instead.
         if self.ds is None:
-            self.ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data)
+            self.ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data,
+                                   seed=cfg.train.seed)
         ds = self.ds
+        # dpsgd: frac = 1/n cuts disjoint shards that cover the data (data.window_bounds)
         split, frac = (("frac", 1.0 / world0) if algo_cls.shard_data and world0 > 1 else (cfg.data.split, cfg.data.frac))
         idx = replica_indices(len(ds.train_x), rank=replica_id, world=world0, split=split, frac=frac, seed=cfg.train.seed)
-        self.sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=replica_id)
+        # the same number of batches per pass on every replica, whatever its window's size
+        nb = common_nb(len(ds.train_x), world=world0, split=split, frac=frac, batch_size=cfg.train.batch_size)
+        self.sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=replica_id, nb=nb)
         self.nb = nb = self.sampler.nb
 
         # Replica: independent initialisation (seed + replica) unless asked to start from rank 0's.
@@ -375,20 +465,15 @@ class Trainer:
         self.model_t, self.ref_t = sync_tensors(self.model), sync_tensors(self.ref)
         self.ref_params = list(self.ref.parameters())
         self.ex = Exchange(world, rank, dtype)
-        self.aug_gen = _gen(cfg.train.seed, replica_id, 0xA6)
+        self.aug_gen = _gen("augment", cfg.train.seed, replica_id)
         self.n_params = sum(p.numel() for p in self.model.parameters())
 
-        def schedule(k: int) -> tuple:                 # rank 0's, for algorithms that sync
-            gk, rk = scoping(k, gamma0_inv=P.gamma0_inv, gamma_min_inv=P.gamma_min_inv, rho0_inv=P.rho0_inv,
-                             rho_min_inv=P.rho_min_inv, scoping=P.scoping, nb=nb)
-            lr = lr_at((k - 1) * L / nb, lr=O.lr, schedule=O.schedule, milestones=O.milestones, decay=O.decay,
-                       total_passes=cfg.train.epochs, warmup_passes=O.warmup_passes)
-            return gk, rk, lr
-        self.schedule = schedule
+        self.schedule = lambda k: outer_schedule(k, L=L, nb=nb, parle=P, optim=O, epochs=cfg.train.epochs)
 
         # State carried across outer steps (and checkpoints).
         self.k, self.wall_before, self.evals, self.samples, self.dist_prev = 0, 0.0, 0, 0, 0.0
         self.sched = None
+        self.ref_n = world           # how many replicas the current reference averages
         self.last_val = (float("nan"), float("nan"))
         self.spread = (float("nan"), float("nan"))
         self.built = True
@@ -414,18 +499,40 @@ class Trainer:
         the first sync (or the resume). All ranks reach this. Returns False on a rank that
         has no replica yet: an elastic run resumed with more ranks than its checkpoint's
         (``_elastic_sync`` then starts it at the reference)."""
+        try:
+            return self._start_run()
+        except BaseException:
+            if self.created_dir and self.log is None:     # failed before the run began: leave no empty dir
+                discard_if_empty(self.run_dir)
+            raise
+
+    def _start_run(self) -> bool:
         rank, world = self.rank, self.world
         with self.dog.collective("start", 0):
-            self.cfg, self.run_dir, resume_step, self.ckpt_world = _start(self.cfg, rank)
+            self.cfg, self.run_dir, resume_steps, self.ckpt_world, self.created_dir = _start(self.cfg, rank)
         cfg = self.cfg
         self.dog.attach(self.run_dir)
+        resume_step, skipped = None, {}
+        if resume_steps:
+            with self.dog.collective("resume agreement", 0):
+                resume_step, st, skipped = agree_on_checkpoint(self.run_dir, resume_steps, rank, self.ckpt_world)
+            for s_, why in skipped.items():
+                print(f"[rank {rank}] run.resume: skipping checkpoint step {s_}, which does not load here ({why})"
+                      + (f"; resuming from step {resume_step}" if resume_step is not None else ""),
+                      file=sys.stderr, flush=True)
+            if resume_step is None:
+                if skipped:
+                    raise CheckpointError(f"run.resume: no checkpoint in {self.run_dir}/checkpoints loads on every "
+                                          f"rank (this rank: {skipped[min(skipped)]})")
+                raise RunError(f"run.resume: no checkpoint in {self.run_dir}/checkpoints loads on every rank "
+                               f"(the failing ranks' messages above)")
         self.resumed_from = resume_step
+        self.skipped_steps = [s_ for s_ in resume_steps if resume_step is not None and s_ > resume_step]
         if resume_step is None:
             self._build(rank, world, init_bcast=True)
         elif rank >= self.ckpt_world:
             return False
         else:
-            st = checkpoint.load(self.run_dir, resume_step, rank)
             self._build(st.get("replica", rank), st.get("world0", self.ckpt_world), init_bcast=False)
             if st.get("world") != self.ckpt_world or st.get("params") != self.n_params or st.get("algo") != cfg.algo:
                 raise RunError(f"run.resume: checkpoint step {resume_step} is for {st.get('algo')} on {st.get('world')} "
@@ -451,9 +558,14 @@ class Trainer:
 
         if resume_step is not None:
             if rank == 0:
+                for s_ in self.skipped_steps:
+                    where = checkpoint.set_aside(self.run_dir, s_)
+                    log.info(f"run.resume: checkpoint step {s_} does not load on every rank; skipped, moved to {where}")
                 checkpoint.discard_after(self.run_dir, resume_step)
                 log.info(f"resumed from checkpoint step {resume_step}"
                          + (f" (written by {self.ckpt_world} ranks)" if self.ckpt_world != world else ""))
+            if self.elastic is not None and self.ckpt_world > world and self.algo.ref_is_mean:
+                self._reform_reference([True] * world)      # all ranks reach this: the dropped replicas leave the mean
         elif self.algo.syncs:
             # The first reference, and rank 0's schedule for step 1. All ranks reach this.
             with self.dog.collective("first sync", 0):
@@ -481,7 +593,8 @@ class Trainer:
                 "rng_cuda": torch.cuda.get_rng_state() if self.dev.type == "cuda" else None,
                 "comm": comm.stats().as_dict(), "sched": list(self.sched), "dist_prev": self.dist_prev,
                 "wall": self.wall(), "evals": self.evals, "samples": self.samples,
-                "last_val": list(self.last_val), "spread": list(self.spread), "config": to_dict(self.cfg)}
+                "last_val": list(self.last_val), "spread": list(self.spread), "ref_n": self.ref_n,
+                "config": to_dict(self.cfg)}
 
     def load_state(self, st: dict) -> None:
         """Back to the state ``st`` (a checkpoint or a commit) describes; counters of time
@@ -499,14 +612,36 @@ class Trainer:
         self.k, self.sched, self.dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
         self.spread = tuple(st.get("spread", self.spread))
+        self.ref_n = st.get("ref_n", st.get("world", self.world))
 
-    def save_ckpt(self, k: int) -> None:
+    def save_ckpt(self, k: int, *, last: bool) -> None:
+        """Write this rank's checkpoint of step ``k``. A failure must reach every rank, or the
+        others would wait in the next collective until dist.timeout: after a ``last``
+        checkpoint (the run's end, or a stop) no collective follows and the error is raised
+        at once; otherwise it rides in this rank's slot row of the next outer step's sync,
+        where every rank sees it and stops (``_raise_ckpt_failure``)."""
         try:
             checkpoint.save(self.run_dir, k, self.rank, self.state_dict(), self.cfg.run.keep)
         except OSError as e:
-            last = checkpoint.latest_complete(self.run_dir, self.world)
-            raise CheckpointError(f"run.dir: cannot write checkpoint step {k} in {self.run_dir}/checkpoints "
-                                  f"({e.strerror or e}); the last complete checkpoint (step {last}) is kept") from None
+            done = checkpoint.latest_complete(self.run_dir, self.world)
+            self.ckpt_error = (f"run.dir: rank {self.rank} cannot write checkpoint step {k} in "
+                               f"{self.run_dir}/checkpoints ({e.strerror or e}); the last complete "
+                               f"checkpoint (step {done}) is kept")
+            if last:
+                raise CheckpointError(self.ckpt_error) from None
+
+    def _raise_ckpt_failure(self, bad: list) -> None:
+        """Every rank, after a sync whose slot rows say a checkpoint write failed: the rank
+        that failed raises its own message (printed by that rank); the others a RunError
+        (printed by rank 0) naming it."""
+        if self.log is not None:
+            self.log.flush()
+        if self.ckpt_error is not None:
+            raise CheckpointError(self.ckpt_error)
+        done = checkpoint.latest_complete(self.run_dir, self.world)
+        raise RunError(f"run.dir: rank(s) {bad} could not write their checkpoint (their message above); stopped "
+                       f"after outer step {self.k}. The last complete checkpoint (step {done}) is kept in "
+                       f"{self.run_dir}/checkpoints")
 
     # ----------------------------------------------------------------------- elastic mode
     def _commit(self) -> None:
@@ -539,7 +674,36 @@ class Trainer:
         why = "a rank failed; back to the last commit" if self.restored else "hosts changed"
         self.log.info(f"elastic: {why}: {old} -> {self.world} rank(s) after outer step {self.k}")
         self.events.append({"step": self.k, "from": old, "to": self.world, "why": why})
-        self.restored = False
+        if self.removal_only and not self.restored and self.world < self.ref_n and self.algo.ref_is_mean:
+            # no state sync follows a removal alone: every rank here holds a replica
+            self._reform_reference([True] * self.world)     # all ranks reach this
+        self.restored = self.removal_only = False
+
+    def _reform_reference(self, members: list) -> None:
+        """Elastic mode, after replicas were lost: the reference becomes the mean of the
+        replicas that remain (``members[r]``: rank r holds one), not the committed reference
+        that still averages in the lost ones. One fused allreduce: members send their weights
+        and BatchNorm buffers, the other ranks (joiners, not yet started) zeros. All ranks reach this."""
+        mine, n = members[self.rank], sum(members)
+        dump = os.environ.get("PARLE_HVD_DUMP_REFORM")        # testing hook (tests/test_elastic.py)
+        before = [t.clone() for t in self.ref_t] if dump else None
+        with torch.no_grad():
+            for r_, m in zip(self.ref_t, self.model_t):
+                r_.copy_(m) if mine else r_.zero_()
+        with self.dog.collective("elastic reference re-formed", self.k):
+            comm.allreduce_sum_(self.ref_t, name="elastic.reform")     # all ranks reach this
+        with torch.no_grad():
+            for r_ in self.ref_t:
+                r_.div_(n)
+        self.ref_n = n
+        if mine:
+            self.dist_prev = replica_distance(self.model, self.ref)
+        if self.log is not None:
+            self.log.info(f"elastic: the reference re-formed from the {n} remaining replica(s) at outer step {self.k}")
+        if dump:
+            torch.save({"ref": [t.clone() for t in self.ref_t], "model": [t.clone() for t in self.model_t],
+                        "before": before, "member": mine, "step": self.k, "replica": self.replica_id},
+                       Path(dump) / f"reform-rank{self.rank}-step{self.k}.pt")
 
     def _elastic_sync(self) -> None:
         """Horovod's State.sync, at the start and after every reset but a removal alone.
@@ -568,7 +732,7 @@ class Trainer:
             msg = {"cfg": self.cfg, "run_dir": str(self.run_dir), "world0": self.world0, "k": self.k,
                    "sched": self.sched, "evals": self.evals, "samples": self.samples, "last_val": self.last_val,
                    "spread": self.spread, "wall": self.wall(), "comm": comm.stats().as_dict(), "events": self.events,
-                   "resumed_from": self.resumed_from}
+                   "resumed_from": self.resumed_from, "ref_n": self.ref_n}
         with self.dog.collective("elastic run state", k_new):
             msg = comm.broadcast_object(msg, root=root, name="elastic.run")   # all ranks reach this
         taken = {int(rows[r, 1]) for r in keep}
@@ -581,6 +745,10 @@ class Trainer:
         shared = self.algo.shared_tensors()
         with self.dog.collective("elastic reference", k_new):
             comm.broadcast_(self.ref_t + shared, root=root, name="elastic.ref")   # all ranks reach this
+        if self.algo.ref_is_mean and len(keep) < msg["ref_n"]:
+            # replicas were lost: the reference is re-formed from the ones kept (before any
+            # new replica starts at it). Every rank sees the same rows and msg: all reach this.
+            self._reform_reference([r in keep for r in range(world)])
         if not mine:
             with torch.no_grad():
                 for m, r in zip(self.model_t, self.ref_t):
@@ -627,20 +795,23 @@ class Trainer:
                 algo.inner_step(gk=gk, rk=rk, lr=lr, xbar=ref_params)
                 losses.append(loss.detach())
             algo.end_outer(ref_params, rk=rk, lr=lr)    # parle: the elastic pull toward the reference
-            if _injected_nan(rank, k):
+            if _injected("PARLE_HVD_INJECT_NAN", rank, k):
                 with torch.no_grad():
                     next(model.parameters()).fill_(float("nan"))
             lt = torch.stack(losses).double()
             finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in model.parameters())
             commit = self.elastic is not None and (k % cfg.dist.elastic_commit_every == 0 or k == K)
             slot = {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": self.dist_prev,
-                    "nonfinite": float(not finite), "stop": float(self.stop.requested is not None),
+                    "nonfinite": float(not finite),
+                    "stop": float(self.stop.requested is not None or _injected("PARLE_HVD_INJECT_STOP", rank, k)),
+                    "ckpt": float(self.ckpt_error is not None),
                     # the coordinator's news of hosts leaving or joining, acted on at this commit
                     "hosts": float(self.elastic.host_update_pending()) if commit and rank == 0 else 0.0}
             if algo.syncs:
                 # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
                 with dog.collective("sync", k):
                     self.sched, rows = sync(model_t, ref_t, self.ex, self.schedule(k + 1) if rank == 0 else None, slot)
+                self.ref_n = world
                 self.dist_prev = replica_distance(model, ref)
                 algo.after_sync(model_t, ref_t)
             else:
@@ -675,10 +846,14 @@ class Trainer:
                 log.flush()
                 raise DivergenceError(f"non-finite loss or weights on rank(s) {bad} at outer step {k}; stopped. "
                                       f"The last complete checkpoint (step {last}) is kept in {self.run_dir}/checkpoints")
+            if bool(rows[:, 6].any()):           # a rank could not write the last checkpoint: all stop here
+                self._raise_ckpt_failure([i for i in range(len(rows)) if rows[i, 6] > 0])
             if bool(rows[:, 4].any()):
                 stopped_at = k
 
-            if (k % self.eval_every_steps == 0 or k == K) and stopped_at is None:
+            # A stop still evaluates at an evaluation step, so that an interrupted and resumed
+            # run makes the same evaluations (and the same summary) as an uninterrupted one.
+            if k % self.eval_every_steps == 0 or k == K:
                 with dog.collective("evaluation", k):
                     algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
                     recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
@@ -700,8 +875,8 @@ class Trainer:
             log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {self.last_val[0]:.4f}")
 
             if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K or stopped_at is not None:
-                self.save_ckpt(k)
-            if stopped_at is not None:
+                self.save_ckpt(k, last=k == K or stopped_at is not None)
+            if stopped_at is not None and k < K:     # a stop at K simply finishes
                 who = [i for i in range(len(rows)) if rows[i, 4] > 0]
                 log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
                          f"resume with run.resume=true run.dir={self.run_dir}")
@@ -709,8 +884,12 @@ class Trainer:
                 return {"stopped_at": k, "run_dir": str(self.run_dir)}
             if commit:
                 # Commit, then leave for a re-formed world if the coordinator heard of host
-                # changes (rows are the same on every rank: all leave at this step).
-                self.elastic.commit(int(rows[:, 5].sum()))
+                # changes (rows are the same on every rank: all leave at this step). Horovod
+                # runs no state sync after a removal alone (update == 1): _on_reset then
+                # re-forms the reference itself.
+                update = int(rows[:, 5].sum())
+                self.removal_only = update == 1
+                self.elastic.commit(update)
         return self.finish()
 
     def finish(self) -> dict:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from multirank import ROOT, VENV_BIN, kill_tree
 from tools import elasticlab
@@ -57,7 +58,7 @@ def _worker(lab, rank: int):
 
 
 def _elastic_run(tmp: Path, name: str, n_hosts: int, n_start: int, *, at_step: int = 0, action=None,
-                 extra=(), timeout: float = 300) -> tuple:
+                 extra=(), timeout: float = 300, env_extra=None) -> tuple:
     """Run launch/elastic.sh in a lab of ``n_hosts`` hosts (the first ``n_start`` listed at the start);
     call ``action(lab, hosts_file)`` once rank 0 passes ``at_step``. Returns (rc, output,
     summary, run dir, what action returned)."""
@@ -65,7 +66,7 @@ def _elastic_run(tmp: Path, name: str, n_hosts: int, n_start: int, *, at_step: i
     with elasticlab.LoopbackHosts(n_hosts) as lab:
         hosts_file.write_text("".join(f"{h}:1\n" for h in lab.hosts[:n_start]))
         env = dict(os.environ, NP=str(n_start), MIN_NP="2", MAX_NP="3", PARLE_HVD_HOSTS_FILE=str(hosts_file),
-                   ELASTIC_TIMEOUT="60", VENV=str(VENV_BIN.parent))
+                   ELASTIC_TIMEOUT="60", VENV=str(VENV_BIN.parent), **(env_extra or {}))
         with open(out, "w") as fh:
             proc = subprocess.Popen([*lab.prefix, "launch/elastic.sh", *ARGS, f"run.dir={run_dir}", *extra], cwd=ROOT,
                                     env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,7 +110,10 @@ def test_losing_the_coordinator_leaves_two_ranks_going_on_from_the_last_commit(t
         os.kill(pid, signal.SIGKILL)
         return _step(tmp_path / "kill")
 
-    rc, out, s, d, killed_at = _elastic_run(tmp_path, "kill", 3, 3, at_step=25, action=kill_rank0)
+    dump = tmp_path / "reform"
+    dump.mkdir()
+    rc, out, s, d, killed_at = _elastic_run(tmp_path, "kill", 3, 3, at_step=25, action=kill_rank0,
+                                            env_extra={"PARLE_HVD_DUMP_REFORM": str(dump)})
     assert killed_at and killed_at < K // 2, out[-4000:]
     assert rc == 0 and s, out[-4000:]
     # finished, with the two survivors, every outer step done once
@@ -119,6 +123,17 @@ def test_losing_the_coordinator_leaves_two_ranks_going_on_from_the_last_commit(t
     assert len(ev) == 1 and ev[0]["from"] == 3 and ev[0]["to"] == 2 and "failed" in ev[0]["why"], ev
     assert killed_at - 2 <= ev[0]["step"] <= killed_at + 1, (killed_at, ev)   # the last commit
     assert "back to the last commit: 3 -> 2 rank(s)" in out
+    # the next outer step pulls toward the mean of the two survivors, not toward the committed
+    # reference that still averaged in the lost replica
+    assert "the reference re-formed from the 2 remaining replica(s)" in out
+    dumps = [torch.load(f) for f in sorted(dump.glob("reform-rank*.pt"))]
+    assert len(dumps) == 2 and all(x["member"] for x in dumps) and dumps[0]["step"] == ev[0]["step"], dumps
+    for i in range(len(dumps[0]["ref"])):
+        mean = (dumps[0]["model"][i].double() + dumps[1]["model"][i].double()) / 2
+        for x in dumps:
+            assert torch.allclose(x["ref"][i].double(), mean, rtol=0, atol=1e-6), i
+        assert torch.equal(dumps[0]["ref"][i], dumps[1]["ref"][i])          # the same reference on both
+    assert any(not torch.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(dumps[0]["before"], dumps[0]["ref"]))
     # the remaining replicas did not diverge: as good as the run that lost nobody
     print(f"test accuracy: lost rank 0 at step {killed_at}: {s['val_accuracy']:.4f}, "
           f"nobody lost: {unbroken['val_accuracy']:.4f}")

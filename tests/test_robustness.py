@@ -55,11 +55,33 @@ def _metrics_lines(d):
 
 
 # ------------------------------------------------------------------------ kill -9 and resume
+COMMON = [*CFG, *SMALL, "train.epochs=3", "run.ckpt_every=3"]       # 24 outer steps, checkpoints every 3
+# (not bytes_communicated: it counts the broadcast config, whose run.dir differs in length)
+SUMMARY_FIGURES = ("val_accuracy", "val_loss", "evaluations", "outer_steps", "allreduce_calls", "allreduce_bytes",
+                   "broadcast_calls", "samples_seen", "final_replica_distance", "final_replica_distance_max")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 2-rank run every interrupted-and-resumed run below must reproduce exactly."""
+    ref = tmp_path_factory.mktemp("uninterrupted") / "ref"
+    run_ranks(TRAIN, args=[*COMMON, f"run.dir={ref}"], timeout=240, reports=False)
+    return ref
+
+
+def _same_as(ref, d, what):
+    want, got = _final(ref), _final(d)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), (what, k)
+    a, b = (json.loads((x / "summary.json").read_text()) for x in (ref, d))
+    assert {f: b[f] for f in SUMMARY_FIGURES} == {f: a[f] for f in SUMMARY_FIGURES}, what
+
+
 @pytest.mark.multirank
-def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path):
-    common = [*CFG, *SMALL, "train.epochs=3", "run.ckpt_every=3"]       # 24 outer steps, checkpoints every 3
-    ref = tmp_path / "ref"
-    run_ranks(TRAIN, args=[*common, f"run.dir={ref}"], timeout=240, reports=False)
+def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path, uninterrupted):
+    common = COMMON
+    ref = uninterrupted
     want = _final(ref)
     K = json.loads((ref / "summary.json").read_text())["outer_steps"]
 
@@ -93,6 +115,115 @@ def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path):
         got = _final(d)
         for k in want:
             assert torch.equal(got[k], want[k]), (name, k)
+
+
+@pytest.mark.multirank
+def test_stop_at_an_evaluation_step_and_at_the_last_step_then_resume_matches_uninterrupted(tmp_path, uninterrupted):
+    """A stop (SIGTERM's path, injected at an exact step) at an evaluation step still
+    evaluates there, so the resumed run makes the same evaluations; a stop at K finishes
+    the run; a resume from the last checkpoint with nothing left to train writes the same
+    summary and final.pt. Every case ends identical to the uninterrupted run."""
+    s0 = json.loads((uninterrupted / "summary.json").read_text())
+    K, E = s0["outer_steps"], s0["evaluations"]
+    assert K == 24 and E == 3                             # evaluations at steps 8, 16 and 24
+    d = tmp_path / "eval_step"
+    out = run_ranks(TRAIN, args=[*COMMON, f"run.dir={d}"], env={"PARLE_HVD_INJECT_STOP": "1:8"}, timeout=240,
+                    reports=False)
+    assert "stopped after outer step 8" in out[0]["_output"] and not (d / "summary.json").exists()
+    assert checkpoint.latest_complete(d, 2) == 8
+    assert sum("val/accuracy" in l for l in (d / "metrics.jsonl").read_text().splitlines()) == 1
+    run_ranks(TRAIN, args=[*COMMON, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
+    _same_as(uninterrupted, d, "a stop at an evaluation step")
+
+    d = tmp_path / "last_step"
+    run_ranks(TRAIN, args=[*COMMON, f"run.dir={d}"], env={"PARLE_HVD_INJECT_STOP": "0:24"}, timeout=240,
+              reports=False)
+    _same_as(uninterrupted, d, "a stop at K")
+    (d / "summary.json").unlink()
+    (d / "final.pt").unlink()          # as if killed after the last checkpoint, before the results
+    out = run_ranks(TRAIN, args=[*COMMON, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
+    assert "resumed from checkpoint step 24" in out[0]["_output"]
+    _same_as(uninterrupted, d, "a resume with nothing left to train")
+
+
+@pytest.mark.multirank
+def test_a_torn_newest_checkpoint_is_skipped_and_the_previous_one_resumed(tmp_path, uninterrupted):
+    """A checkpoint every outer step, stopped after step 6; the newest rank-1.pt cut to half
+    its size (a node lost mid-write on a shared filesystem). The ranks agree on step 5,
+    say which step was skipped and why, set step 6 aside, and end identical to the
+    uninterrupted run. With every step torn on rank 1 the resume ends at once: exit 2."""
+    import shutil
+    d = tmp_path / "run"
+    run_ranks(TRAIN, args=[*COMMON, "run.ckpt_every=1", f"run.dir={d}"], env={"PARLE_HVD_INJECT_STOP": "0:6"},
+              timeout=240, reports=False)
+    assert checkpoint.complete_steps(d, 2) == [6, 5]
+    both = tmp_path / "both"
+    shutil.copytree(d, both)
+    f = checkpoint.step_dir(d, 6) / "rank-1.pt"
+    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+    out = run_ranks(TRAIN, args=[*COMMON, "run.ckpt_every=1", f"run.dir={d}", "run.resume=true"], timeout=240,
+                    reports=False)
+    o = out[0]["_output"]
+    assert "[rank 1] run.resume: skipping checkpoint step 6, which does not load here" in o, o
+    assert "cannot be read" in o and "resuming from step 5" in o and "resumed from checkpoint step 5" in o
+    assert (d / "checkpoints" / "unreadable-step-00000006" / "rank-1.pt").is_file()
+    _same_as(uninterrupted, d, "a torn newest checkpoint")
+
+    for s_ in (5, 6):
+        f = checkpoint.step_dir(both, s_) / "rank-1.pt"
+        f.write_bytes(f.read_bytes()[:100])
+    t0 = time.monotonic()
+    out = run_ranks(TRAIN, args=[*COMMON, f"run.dir={both}", "run.resume=true"], timeout=120, reports=False,
+                    expect_fail=True)
+    o = out[0]["_output"]
+    assert out[0]["_rc"] != 0 and time.monotonic() - t0 < 60, o
+    assert "no checkpoint in" in o and "loads on every rank" in o and "stopped answering" not in o, o
+    assert checkpoint.complete_steps(both, 2) == [6, 5]            # nothing removed
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_write_failing_on_one_rank_stops_every_rank_at_once(tmp_path):
+    """Rank 1's disk is full (a file-size limit): it cannot write its checkpoint of step 2.
+    Every rank stops at the next sync with exit 2 and the real message, long before
+    dist.timeout (300 s), no rank blamed for silence; rank 0's checkpoint stays."""
+    d = tmp_path / "run"
+    t0 = time.monotonic()
+    out = run_ranks(TRAIN, args=[*CFG, *SMALL, "train.epochs=3", "run.ckpt_every=2", f"run.dir={d}"],
+                    env={"PARLE_TEST_RANK1_FSIZE": "200000"}, timeout=240, reports=False, expect_fail=True)
+    elapsed = time.monotonic() - t0
+    o = out[0]["_output"]
+    print(f"\ncheckpoint failure on rank 1 -> job exit {out[0]['_rc']} after {elapsed:.1f} s")
+    assert out[0]["_rc"] != 0 and elapsed < 60, (elapsed, o)
+    assert "[1]<stderr>:error: run.dir: rank 1 cannot write checkpoint step 2" in o, o
+    assert "[0]<stderr>:error: run.dir: rank(s) [1] could not write their checkpoint" in o, o
+    assert "stopped after outer step 3" in o and "stopped answering" not in o
+    assert (checkpoint.step_dir(d, 2) / "rank-0.pt").is_file() and checkpoint.latest_complete(d, 2) is None
+    assert not (d / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------ launchers
+@pytest.mark.multirank
+def test_launch_script_ends_with_the_failing_ranks_line_and_its_exit_code(tmp_path):
+    """launch/local.sh (what `make run` uses): a bad input exits 2 and a divergence 3, each
+    ending with the rank's own error line; horovodrun's traceback is kept out of sight, in
+    a log file named one line above."""
+    from multirank import VENV_BIN, run_command
+    venv = os.path.relpath(VENV_BIN.parent, ROOT)
+    log = tmp_path / "launcher.log"
+    env = {"VENV": venv, "PARLE_HVD_LAUNCHER_LOG": str(log)}
+    rc, out = run_command(["launch/local.sh", "train.epochs=-1"], env=env, timeout=120)
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert rc == 2, out
+    assert lines[-1].endswith("error: train.epochs: must be > 0, got -1.0"), out
+    assert "Traceback" not in out and "Horovod detected" not in out, out
+    assert f"the launcher's report is in {log}" in lines[-2] and "Traceback" in log.read_text()
+    log.unlink()
+    rc, out = run_command(["launch/local.sh", *SMALL, "train.epochs=1", f"run.dir={tmp_path / 'div'}"],
+                          env={**env, "PARLE_HVD_INJECT_NAN": "1:2"}, timeout=180)
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert rc == 3, out
+    assert "error: non-finite loss or weights on rank(s) [1] at outer step 2" in lines[-1], out
+    assert "Traceback" not in out and "Traceback" in log.read_text()
 
 
 # ------------------------------------------------------------------------ signals
@@ -256,9 +387,14 @@ def _bad_cases(tmp, done, done2):
     ]
 
 
+def _run_dirs() -> set:
+    return set((ROOT / "runs").iterdir()) if (ROOT / "runs").is_dir() else set()
+
+
 def test_bad_input_table(tmp_path, finished_run, two_rank_checkpoint):
     cases = _bad_cases(tmp_path, finished_run, two_rank_checkpoint)
     assert len(cases) >= 15
+    runs_before = _run_dirs()
     for name, args, needle, protect in cases:
         before = _digest(protect) if protect else None
         argv = [*args[:2], *SMALL[:2], *args[2:]] if args[:1] == ["--config"] else [*CFG, *SMALL[:2], *args]
@@ -277,3 +413,10 @@ def test_bad_input_table(tmp_path, finished_run, two_rank_checkpoint):
             keep = {k for k in before if k.startswith("checkpoints/") or k in ("final.pt", "summary.json")} \
                 if "full disk" in name else set(before)
             assert {k: after.get(k) for k in keep} == {k: before[k] for k in keep}, f"{name}: a file was changed"
+        # a run that failed before it started leaves no (empty) run directory behind
+        assert _run_dirs() == runs_before, (name, _run_dirs() - runs_before)
+    new_dir = tmp_path / "new"             # a run.dir this start created, then refused: removed again
+    r = subprocess.run([sys.executable, "train.py", *CFG, f"run.dir={new_dir}", "run.resume=true",
+                        "dist.backend=none"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "no complete checkpoint" in r.stderr and not new_dir.exists(), r.stderr

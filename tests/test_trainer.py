@@ -10,7 +10,7 @@ import torch
 from parle_hvd.config import make_config
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model
-from parle_hvd.trainer import train
+from parle_hvd.trainer import outer_schedule, train
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")
@@ -116,4 +116,81 @@ def test_run_outputs_and_single_rank_counters(tmp_path):
     st = torch.load(tmp_path / "checkpoints/step-00000004/rank-0.pt", weights_only=False)
     for k in ("model", "ref", "algo_state", "sampler", "rng_torch", "sched", "step"):
         assert k in st
-    assert set(st["algo_state"]["parle"]) >= {"x", "z", "v_in", "v_out"}
+    # what resume needs, no more: x is the model's weights between outer steps, z restarts from it
+    assert set(st["algo_state"]["parle"]) == {"v_in", "v_out", "hp"}
+
+
+def test_every_algorithm_scopes_on_the_same_clock_of_passes():
+    """Elastic-SGD (tau = 1: one outer step per inner step) has, after the same number of
+    passes, exactly the couplings Parle (L = 25) has: k counted in Parle outer steps."""
+    cfg = make_config(None, [])
+    P, O = cfg.parle, cfg.optim
+    nb = 468
+    for m in (1, 7, 40, 200):
+        parle = outer_schedule(m, L=P.sync_period, nb=nb, parle=P, optim=O, epochs=10)
+        elastic = outer_schedule(m * P.sync_period, L=1, nb=nb, parle=P, optim=O, epochs=10)
+        assert elastic[:2] == pytest.approx(parle[:2], rel=1e-12, abs=0), m
+    # and Parle's own is PARLE.md's (1 + s/nb)^k in outer steps
+    gk, rk, _ = outer_schedule(3, L=25, nb=nb, parle=P, optim=O, epochs=10)
+    assert gk == pytest.approx(0.01 * (1 + 0.5 / nb) ** 3, rel=1e-13) and rk == pytest.approx((1 + 0.5 / nb) ** 3, rel=1e-13)
+    # Elastic-SGD's cap after ~115 passes like Parle's, not after ~4.6
+    assert outer_schedule(int(10 * nb), L=1, nb=nb, parle=P, optim=O, epochs=200)[1] < P.rho_min_inv
+
+
+def test_lr_is_read_at_the_middle_of_the_outer_step():
+    """A warm-up gives the first outer step a positive lr (the middle of the step), and a
+    milestone applies from the first step whose middle passes it."""
+    cfg = make_config(None, ["optim.warmup_passes=1.0", "optim.schedule=constant"])
+    L, nb = 25, 100                                       # 4 outer steps per pass
+    lr1 = outer_schedule(1, L=L, nb=nb, parle=cfg.parle, optim=cfg.optim, epochs=10)[2]
+    assert lr1 == pytest.approx(0.1 * (0.5 * 25 / 100) / 1.0)
+    cfg = make_config(None, ["optim.schedule=step", "optim.milestones=[1.0]", "optim.decay=0.1"])
+    lrs = [outer_schedule(k, L=L, nb=nb, parle=cfg.parle, optim=cfg.optim, epochs=10)[2] for k in range(1, 7)]
+    # step k covers passes [(k-1)/4, k/4]; its middle (k-0.5)/4 passes 1.0 from step 5 on
+    assert lrs[:4] == [0.1] * 4 and lrs[4:] == pytest.approx([0.01, 0.01])
+
+
+def test_recompute_bn_is_the_cumulative_mean_and_variance_of_the_chosen_batches():
+    """The reference's BatchNorm statistics become the plain average, over the chosen
+    training batches (a shuffle seeded by seed and step), of each batch's mean and unbiased
+    variance; dropout is off while they are measured; the replica is not touched; the
+    reference ends in eval mode with its BatchNorm momentum as before."""
+    import copy
+    from types import SimpleNamespace
+    from torch import nn
+    from parle_hvd.data import _gen
+    from parle_hvd.trainer import recompute_bn
+    g = torch.Generator().manual_seed(0)
+    ds = SimpleNamespace(train_x=torch.randint(0, 256, (200, 2, 5, 5), generator=g, dtype=torch.uint8),
+                         mean=(0.4, 0.5), std=(0.2, 0.3))
+    torch.manual_seed(1)
+    replica = nn.Sequential(nn.Dropout(0.5), nn.BatchNorm2d(2, momentum=0.3), nn.Flatten(), nn.Linear(50, 3))
+    replica[1].running_mean.fill_(7.0)
+    before = {k: v.clone() for k, v in replica.state_dict().items()}
+    ref = copy.deepcopy(replica)
+    recompute_bn(ref, ds, batches=3, batch_size=16, seed=42, step=5, dtype=torch.float32, dev=torch.device("cpu"))
+    perm = torch.randperm(200, generator=_gen("bn", 42, 5))
+    xs = [to_input(ds.train_x[perm[i * 16:(i + 1) * 16]], ds.mean, ds.std) for i in range(3)]
+    mean = sum(x.mean(dim=(0, 2, 3)) for x in xs) / 3
+    var = sum(x.transpose(0, 1).reshape(2, -1).var(dim=1, unbiased=True) for x in xs) / 3
+    bn = ref[1]
+    assert torch.allclose(bn.running_mean, mean, atol=1e-6) and torch.allclose(bn.running_var, var, atol=1e-6)
+    assert bn.momentum == 0.3 and not ref.training
+    for k, v in replica.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@needs_fashion
+def test_checkpoint_holds_what_resume_needs_and_no_more(tmp_path):
+    """A Parle checkpoint carries the replica (x), the reference and the two momentum
+    buffers: 4 copies of the model, not 6 (x and z are not saved twice)."""
+    train(_cfg(tmp_path, "data.train_limit=640", "data.test_limit=100", "parle.sync_period=4",
+               "train.batch_size=32", "train.epochs=0.4", "eval.bn_batches=1"))
+    st = torch.load(tmp_path / "checkpoints/step-00000002/rank-0.pt", weights_only=False)
+    tensors = lambda o: ([o] if isinstance(o, torch.Tensor) else
+                         [t for v in (o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else [])
+                          for t in tensors(v)])
+    model_bytes = sum(t.numel() * t.element_size() for t in st["model"].values())
+    total = sum(t.numel() * t.element_size() for k, v in st.items() if k not in ("rng_torch", "aug_gen")
+                for t in tensors(v))
+    assert 3.9 * model_bytes < total < 4.05 * model_bytes, total / model_bytes

@@ -29,7 +29,7 @@ def test_sync_exchange_mechanism():
         assert x["calls"] == 1
         assert x["ref"] == [[0.5] * 6, [1.0] * 4]
         assert x["sched"] == pytest.approx(want_sched, rel=1e-14, abs=0)   # rank 0's, not rank 1's
-        assert x["rows"] == [[1.5, 2.5, 10.0, 0.0, 0.0, 2.0], [2.5, 3.5, 20.0, 0.0, 1.0, 0.0]]
+        assert x["rows"] == [[1.5, 2.5, 10.0, 0.0, 0.0, 2.0, 0.0], [2.5, 3.5, 20.0, 0.0, 1.0, 0.0, 1.0]]
         assert x["model_untouched"]
         assert res[0][dtype]["sched"] == res[1][dtype]["sched"]            # bit-identical everywhere
 

@@ -19,7 +19,7 @@ for dtype in (torch.float32, torch.float64):
     before = comm.stats().allreduce_calls
     sched, rows = sync(model_t, ref_t, ex, my_sched,
                        {"loss": 1.5 + r, "loss_max": 2.5 + r, "distance": 10.0 * (r + 1), "nonfinite": 0,
-                        "stop": float(r == 1), "hosts": 2.0 * (r == 0)})
+                        "stop": float(r == 1), "hosts": 2.0 * (r == 0), "ckpt": float(r == 1)})
     res[str(dtype)] = {"calls": comm.stats().allreduce_calls - before, "sched": list(sched),
                        "rows": rows.tolist(), "ref": [t.double().flatten().tolist() for t in ref_t],
                        "model_untouched": all(bool((t == v).all()) for t, v in zip(model_t, [r, 2.0 * r]))}
