@@ -20,6 +20,8 @@ CONTROLLER=${CONTROLLER:-gloo}
 export PATH="$PWD/$VENV/bin:$PATH"
 # mpirun refuses root unless told; harmless otherwise.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# parle_hvd.launcher: a failed job ends with the failing rank's own line and its exit code
+# (2 bad input, 3 divergence, 4 a silent rank); horovodrun's traceback goes to a log file.
 # shellcheck disable=SC2086  # HOROVODRUN_ARGS is a list of words on purpose
-exec horovodrun "--$CONTROLLER" -np "$NP" -H "$HOSTS" ${HOROVODRUN_ARGS:-} \
-    "$PWD/$VENV/bin/python" train.py --config "$CONFIG" "$@"
+exec "$PWD/$VENV/bin/python" -m parle_hvd.launcher -- horovodrun "--$CONTROLLER" -np "$NP" -H "$HOSTS" \
+    ${HOROVODRUN_ARGS:-} "$PWD/$VENV/bin/python" train.py --config "$CONFIG" "$@"

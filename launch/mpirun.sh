@@ -32,5 +32,8 @@ fi
 while IFS='=' read -r name _; do
     case $name in HOROVOD_*|NCCL_*|PARLE_*|OMP_*|CUDA_*|PYTHON*|LD_LIBRARY_PATH) args+=(-x "$name") ;; esac
 done < <(env)
+# parle_hvd.launcher: a failed job ends with the failing rank's own line and its exit code;
+# mpirun's banners go to a log file.
 # shellcheck disable=SC2086  # MPIRUN_ARGS is a list of words on purpose
-exec mpirun "${args[@]}" ${MPIRUN_ARGS:-} "$PWD/$VENV/bin/python" train.py --config "$CONFIG" "$@"
+exec "$PWD/$VENV/bin/python" -m parle_hvd.launcher -- mpirun "${args[@]}" ${MPIRUN_ARGS:-} \
+    "$PWD/$VENV/bin/python" train.py --config "$CONFIG" "$@"
