@@ -55,9 +55,10 @@ def main(argv=None):
 
     runs = {}
     for algo in algos:
-        if a.reuse and (Path(a.reuse) / algo / "summary.json").exists():
+        done = sorted(Path(a.reuse).glob(f"{algo}-s*/summary.json")) if a.reuse else []
+        if done:      # the compare report's first seed of this algorithm
             import json
-            runs[algo] = (Path(a.reuse) / algo, json.loads((Path(a.reuse) / algo / "summary.json").read_text()))
+            runs[algo] = (done[0].parent, json.loads(done[0].read_text()))
         else:
             runs[algo] = (d / f"loop-{algo}", train([*common, f"algo={algo}"], run_dir=d / f"loop-{algo}"))
     figures("loopback", runs)

@@ -1,28 +1,87 @@
-"""Run several algorithms on the same budget and write a comparison report.
+"""Run several algorithms on the same budget, over several seeds, and write a comparison
+report with confidence intervals.
 
     python -m parle_hvd.compare --config configs/fashion_parle.yaml \\
-        --algos parle,dpsgd,elastic,entropy,localsgd,diloco --np 2 [--name NAME] [key.sub=value ...]
+        --algos parle,dpsgd,elastic,entropy,localsgd,diloco --np 2 --seeds 3 [--name NAME] [key.sub=value ...]
 
 Each algorithm runs through the real trainer (``horovodrun --gloo -np N`` on this machine,
 or one process for the single-replica algorithms sgd and entropy) with the same config
-and overrides, evaluating every ``eval.every`` passes. Writes ``reports/<name>/report.md``
-(a table: final and best test error, wall time, passes over the data, bytes communicated,
-allreduce calls) and PNG plots: test error vs wall time, vs passes, vs bytes; gamma and
-rho over time; replica spread over time. Runs are kept in ``reports/<name>/runs/``.
+and overrides, once per seed (``train.seed = s, s+1, ...``; initialisation, data order and
+any validation split follow it), evaluating every ``eval.every`` passes. A finished run is
+cached under ``reports/<name>/runs/<algo>-s<seed>-<key>`` (key: a hash of the resolved
+config, the algorithm, the seed and the number of ranks), so a sweep that was stopped
+resumes where it stopped and a repeated command ends in seconds.
+
+``reports/<name>/report.md`` gives per algorithm the mean and the 95 % Student-t interval
+over seeds of the final test error, of the test error at the step chosen on the
+validation split (``data.val_frac``; never chosen on the test set), of the wall time to a
+target test accuracy (``--target``, default the lowest mean final accuracy among the
+algorithms) and of the bytes sent; and for each baseline the paired difference to Parle
+over the same seeds with its 95 % interval and a verdict (better / worse / no
+difference). Plots show the mean curve over seeds with a 95 % band. Every run also goes
+to TensorBoard's HParams dashboard: ``tensorboard --logdir reports/<name>``.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 SINGLE = ("sgd", "entropy")     # one replica: run as one process
+VOLATILE = {("run", "dir"), ("run", "name"), ("run", "progress"), ("run", "tensorboard"), ("dist", "threads")}
+
+
+# --------------------------------------------------------------------------- statistics
+def mean_ci(xs: list, level: float = 0.95) -> tuple:
+    """(mean, half-width of the Student-t interval, n); the half-width is NaN for n < 2."""
+    xs = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+    n = len(xs)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("nan"), n
+    from scipy.stats import t
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m, float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n), n
+
+
+def paired(baseline: dict, parle: dict, level: float = 0.95) -> tuple:
+    """Paired difference baseline - parle over the seeds both have: (mean, half-width, n,
+    verdict for Parle). A lower error is better: 'better' when the whole interval is above 0
+    (the baseline's error is higher), 'worse' when below, else 'no difference'."""
+    seeds = sorted(set(baseline) & set(parle))
+    m, h, n = mean_ci([baseline[s] - parle[s] for s in seeds], level)
+    if n < 2 or not math.isfinite(h):
+        return m, h, n, "n/a (one seed)"
+    return m, h, n, "better" if m - h > 0 else "worse" if m + h < 0 else "no difference"
+
+
+def _fmt(m: float, h: float, scale: float = 1.0, digits: int = 2) -> str:
+    if not math.isfinite(m):
+        return "-"
+    return f"{scale * m:.{digits}f}" + (f" ± {scale * h:.{digits}f}" if math.isfinite(h) else "")
+
+
+# --------------------------------------------------------------------------- runs
+def run_key(config: str, overrides: list, algo: str, seed: int, np_: int) -> tuple:
+    """(key, resolved config): the cache key of one run."""
+    from .config import make_config, to_dict
+    cfg = to_dict(make_config(config, [*overrides, f"algo={algo}", f"train.seed={seed}"]))
+    for sec, k in VOLATILE:
+        cfg[sec].pop(k, None)
+    n = 1 if algo in SINGLE else np_
+    blob = json.dumps({"config": cfg, "np": n}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10], cfg
 
 
 def run_algo(algo: str, config: str, np_: int, overrides: list, run_dir: Path, log) -> dict:
+    """Run one algorithm to completion in ``run_dir`` (one seed: ``overrides`` carry it)."""
     py = sys.executable
     venv_bin = str(Path(py).parent)
     n = 1 if algo in SINGLE else np_
@@ -33,9 +92,10 @@ def run_algo(algo: str, config: str, np_: int, overrides: list, run_dir: Path, l
            "PATH": f"{venv_bin}:{os.environ['PATH']}"}
     log(f"[compare] {algo}: {' '.join(cmd)}")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (run_dir.parent / f"{algo}.log").write_text(r.stdout + r.stderr)
+    logf = run_dir.with_name(run_dir.name + ".log")
+    logf.write_text(r.stdout + r.stderr)
     if r.returncode != 0:
-        raise SystemExit(f"[compare] {algo} failed (exit {r.returncode}); see {run_dir.parent / (algo + '.log')}\n"
+        raise SystemExit(f"[compare] {algo} failed (exit {r.returncode}); see {logf}\n"
                          + (r.stderr.strip().splitlines() or [""])[-1])
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -44,27 +104,39 @@ def load_metrics(run_dir: Path) -> list:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
+def _curve(runs_of_algo: list, x: str, y: str) -> tuple:
+    """Mean curve over seeds of ``y`` against ``x`` at each evaluation, with a 95 % band:
+    (xs, means, lows, highs), the evaluations matched by their index (the same steps for
+    every seed)."""
+    per = [[(m[x], m[y]) for m in ms if m.get(x) is not None and m.get(y) is not None] for _, ms, _ in runs_of_algo]
+    n = min((len(p) for p in per), default=0)
+    xs, mu, lo, hi = [], [], [], []
+    for i in range(n):
+        mx, _, _ = mean_ci([p[i][0] for p in per])
+        my, h, _ = mean_ci([p[i][1] for p in per])
+        h = 0.0 if not math.isfinite(h) else h
+        xs.append(mx), mu.append(my), lo.append(my - h), hi.append(my + h)
+    return xs, mu, lo, hi
+
+
 def plots(out: Path, runs: dict) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     made = []
-
-    def series(ms, x, y):
-        pts = [(m[x], m[y]) for m in ms if m.get(x) is not None and m.get(y) is not None]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
     for x, label, fname, scale in (("train/wall_seconds", "wall time (s)", "error_vs_time.png", 1.0),
                                    ("train/passes", "passes over a replica's data", "error_vs_passes.png", 1.0),
                                    ("comm/bytes", "bytes communicated (MB)", "error_vs_bytes.png", 1e-6)):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for algo, (ms, _) in runs.items():
-            xs, ys = series(ms, x, "val/error")
+        for algo, rs in runs.items():
+            xs, mu, lo, hi = _curve(rs, x, "val/error")
             if xs:
-                ax.plot([v * scale for v in xs], [100 * v for v in ys], marker="o", ms=3, label=algo)
+                xs = [v * scale for v in xs]
+                ax.plot(xs, [100 * v for v in mu], marker="o", ms=3, label=f"{algo} (n={len(rs)})")
+                ax.fill_between(xs, [100 * v for v in lo], [100 * v for v in hi], alpha=0.2)
         ax.set_xlabel(label)
-        ax.set_ylabel("test error (%) of the reference")
+        ax.set_ylabel("test error (%) of the reference, mean and 95 % band")
         if x == "comm/bytes":
             ax.set_xscale("symlog", linthresh=1.0)
         ax.grid(alpha=0.3)
@@ -75,11 +147,11 @@ def plots(out: Path, runs: dict) -> list:
         made.append(fname)
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for algo, (ms, _) in runs.items():
+    for algo, rs in runs.items():
         for ax, key in zip(axes, ("parle/gamma", "parle/rho")):
-            xs, ys = series(ms, "train/passes", key)
+            xs, mu, _, _ = _curve(rs, "train/passes", key)
             if xs:
-                ax.plot(xs, ys, label=algo)
+                ax.plot(xs, mu, label=algo)
     for ax, t in zip(axes, ("gamma (local-entropy width)", "rho (elastic width)")):
         ax.set_xlabel("passes")
         ax.set_title(t)
@@ -91,13 +163,11 @@ def plots(out: Path, runs: dict) -> list:
     made.append("scoping.png")
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for algo, (ms, _) in runs.items():
-        xs, ys = series(ms, "train/passes", "parle/replica_distance")
-        if xs:
-            ax.plot(xs, ys, label=f"{algo} mean")
-        xs, ys = series(ms, "train/passes", "parle/replica_distance_max")
-        if xs:
-            ax.plot(xs, ys, ls="--", label=f"{algo} max")
+    for algo, rs in runs.items():
+        for key, ls, what in (("parle/replica_distance", "-", "mean"), ("parle/replica_distance_max", "--", "max")):
+            xs, mu, _, _ = _curve(rs, "train/passes", key)
+            if xs:
+                ax.plot(xs, mu, ls=ls, label=f"{algo} {what}")
     ax.set_xlabel("passes")
     ax.set_ylabel("||x_a - xbar|| at each sync")
     ax.set_yscale("log")
@@ -110,21 +180,77 @@ def plots(out: Path, runs: dict) -> list:
     return made
 
 
-def report(out: Path, runs: dict, cmdline: str, np_: int) -> str:
+def run_figures(ms: list, s: dict, target: float) -> dict:
+    """One run's figures: final test error, the test error at the evaluation with the lowest
+    validation error (None without a validation split), wall time to ``target`` test
+    accuracy (None if never reached), MB sent."""
+    evs = [m for m in ms if m.get("val/error") is not None]
+    chosen = None
+    if evs and all(m.get("valid/error") is not None for m in evs):
+        chosen = min(evs, key=lambda m: (m["valid/error"], m["step"]))["val/error"]
+    reach = next((m["train/wall_seconds"] for m in evs if m["val/accuracy"] >= target), None)
+    return {"final": 1 - s["val_accuracy"], "chosen": chosen, "tta": reach, "mb": s["bytes_communicated"] / 1e6,
+            "wall": s["wall_seconds"], "passes": s["passes"], "calls": s["allreduce_calls"]}
+
+
+def default_target(runs: dict) -> float:
+    """The lowest mean final test accuracy among the algorithms (each can reach it)."""
+    return min(mean_ci([s["val_accuracy"] for _, _, s in rs])[0] for rs in runs.values())
+
+
+def report(out: Path, runs: dict, cmdline: str, np_: int, target: float) -> str:
+    figs = {a: {seed: run_figures(ms, s, target) for seed, ms, s in rs} for a, rs in runs.items()}
+    col = lambda a, k: [f[k] for f in figs[a].values()]
     rows = []
-    for algo, (ms, s) in runs.items():
-        errs = [m["val/error"] for m in ms if m.get("val/error") is not None]
-        rows.append(f"| {algo} | {1 if algo in SINGLE else np_} | {100 * (1 - s['val_accuracy']):.2f} | "
-                    f"{100 * min(errs):.2f} | {s['wall_seconds']:.1f} | {s['passes']:.2f} | "
-                    f"{s['bytes_communicated'] / 1e6:.2f} | {s['allreduce_calls']} |")
+    for algo, rs in runs.items():
+        m, h, n = mean_ci(col(algo, "final"))
+        cm, ch, _ = mean_ci(col(algo, "chosen"))
+        tm, th, tn = mean_ci(col(algo, "tta"))
+        bm, bh, _ = mean_ci(col(algo, "mb"))
+        wm, wh, _ = mean_ci(col(algo, "wall"))
+        rows.append(f"| {algo} | {1 if algo in SINGLE else np_} | {n} | {_fmt(m, h, 100)} | {_fmt(cm, ch, 100)} | "
+                    f"{_fmt(tm, th, 1, 1)} ({tn}/{n}) | {_fmt(wm, wh, 1, 1)} | {rs[0][2]['passes']:.2f} | "
+                    f"{_fmt(bm, bh, 1, 2)} | {rs[0][2]['allreduce_calls']} |")
     text = [f"# Comparison: {out.name}", "", f"Command: `{cmdline}`", "",
-            "| algo | ranks | final test error (%) | best test error (%) | wall time (s) | passes over the data | "
-            "MB communicated | allreduce calls |", "|---|---|---|---|---|---|---|---|", *rows, "",
-            "Test error is the reference's (the replicas' mean, BN statistics recomputed; rank 0's model for "
-            "sgd and entropy). Passes count each replica's data (dpsgd: the whole dataset by the global batch).", ""]
+            f"Mean over seeds ± the half-width of the 95 % Student-t interval (none for one seed). Target test "
+            f"accuracy for the time column: {100 * target:.2f} %; (r/n): seeds that reached it.", "",
+            "| algo | ranks | seeds | final test error (%) | test error at the best validation step (%) | "
+            "wall time to target (s) | wall time (s) | passes | MB communicated | allreduce calls |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+    if "parle" in runs and len(runs) > 1:
+        text += ["Paired over the same seeds, baseline minus Parle (positive: Parle's error is lower). "
+                 "Verdict for Parle: better / worse when the 95 % interval excludes 0, else no difference.", "",
+                 "| baseline | final test error: difference (points) | verdict | at the best validation step | verdict |",
+                 "|---|---|---|---|---|"]
+        for algo in runs:
+            if algo == "parle":
+                continue
+            seeds_of = lambda a, k: {sd: f[k] for sd, f in figs[a].items() if f[k] is not None}
+            m, h, n, v = paired(seeds_of(algo, "final"), seeds_of("parle", "final"))
+            m2, h2, n2, v2 = paired(seeds_of(algo, "chosen"), seeds_of("parle", "chosen"))
+            text.append(f"| {algo} (n={n}) | {_fmt(m, h, 100)} | {v} | {_fmt(m2, h2, 100)} | "
+                        f"{v2 if n2 else '- (no validation split)'} |")
+        text.append("")
+    text += ["Test error is the reference's (the replicas' mean, BN statistics recomputed; rank 0's model for "
+             "sgd and entropy). Passes count each replica's data (dpsgd: the whole dataset by the global batch). "
+             "Nothing is selected on the test set: the best step is chosen on the validation split.", ""]
     for f in ("error_vs_time.png", "error_vs_passes.png", "error_vs_bytes.png", "scoping.png", "replica_spread.png"):
         text.append(f"![{f}]({f})")
     return "\n".join(text) + "\n"
+
+
+def write_hparams(out: Path, tag: str, cfg: dict, algo: str, seed: int, fig: dict) -> None:
+    """One row in TensorBoard's HParams dashboard for this run."""
+    from torch.utils.tensorboard import SummaryWriter
+    hp = {"algo": algo, "seed": seed, "sync_period": cfg["parle"]["sync_period"], "lr": cfg["optim"]["lr"],
+          "scoping": str(cfg["parle"]["scoping"]), "epochs": cfg["train"]["epochs"],
+          "train_limit": cfg["data"]["train_limit"], "augment": cfg["data"]["augment"]}
+    metrics = {"hparam/test_error": fig["final"], "hparam/wall_seconds": fig["wall"], "hparam/mb_sent": fig["mb"]}
+    if fig["chosen"] is not None:
+        metrics["hparam/test_error_at_best_valid"] = fig["chosen"]
+    w = SummaryWriter(log_dir=str(out / "hparams" / tag))
+    w.add_hparams(hp, metrics, run_name=".")
+    w.close()
 
 
 def main(argv=None) -> int:
@@ -132,11 +258,15 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--algos", default="parle,dpsgd,elastic,entropy,localsgd,diloco")
     ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=1, help="runs per algorithm, train.seed = s, s+1, ...")
+    ap.add_argument("--target", type=float, default=0.0, help="test accuracy for the time-to-target column "
+                    "(default: the lowest mean final accuracy among the algorithms)")
     ap.add_argument("--name", default="")
     ap.add_argument("--reports", default="reports")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     from .algorithms import ALGORITHMS
+    from .config import ConfigError, make_config
     algos = [x.strip() for x in a.algos.split(",") if x.strip()]
     bad = [x for x in algos if x not in ALGORITHMS]
     if bad:
@@ -145,19 +275,45 @@ def main(argv=None) -> int:
     if not Path(a.config).is_file():
         print(f"error: --config: no such file {a.config}", file=sys.stderr)
         return 2
+    if a.seeds < 1:
+        print(f"error: --seeds: must be >= 1, got {a.seeds}", file=sys.stderr)
+        return 2
+    try:
+        base = make_config(a.config, a.overrides).train.seed
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     name = a.name or Path(a.config).stem
     out = Path(a.reports) / name
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for algo in algos:
-        s = run_algo(algo, a.config, a.np, a.overrides, out / "runs" / algo, print)
-        runs[algo] = (load_metrics(out / "runs" / algo), s)
-        print(f"[compare] {algo}: final test error {100 * (1 - s['val_accuracy']):.2f} %, {s['wall_seconds']:.1f} s, "
-              f"{s['bytes_communicated'] / 1e6:.1f} MB", flush=True)
+    runs: dict = {algo: [] for algo in algos}
+    for seed in range(base, base + a.seeds):
+        for algo in algos:
+            key, cfg = run_key(a.config, a.overrides, algo, seed, a.np)
+            d = out / "runs" / f"{algo}-s{seed}-{key}"
+            done = d / "summary.json"
+            if done.is_file():
+                s = json.loads(done.read_text())
+                print(f"[compare] {algo} seed {seed}: cached ({d})", flush=True)
+            else:
+                if d.exists():                      # a run that was stopped part-way: start it again
+                    import shutil
+                    shutil.rmtree(d)
+                s = run_algo(algo, a.config, a.np, [*a.overrides, f"train.seed={seed}"], d, print)
+                print(f"[compare] {algo} seed {seed}: final test error {100 * (1 - s['val_accuracy']):.2f} %, "
+                      f"{s['wall_seconds']:.1f} s, {s['bytes_communicated'] / 1e6:.1f} MB", flush=True)
+            runs[algo].append((seed, load_metrics(d), s))
+    target = a.target or default_target(runs)
+    for algo, rs in runs.items():
+        for seed, ms, s in rs:
+            key, cfg = run_key(a.config, a.overrides, algo, seed, a.np)
+            if not (out / "hparams" / f"{algo}-s{seed}-{key}").exists():
+                write_hparams(out, f"{algo}-s{seed}-{key}", cfg, algo, seed, run_figures(ms, s, target))
     cmdline = "python -m parle_hvd.compare " + " ".join(argv if argv is not None else sys.argv[1:])
     plots(out, runs)
-    (out / "report.md").write_text(report(out, runs, cmdline, a.np))
-    (out / "summary.json").write_text(json.dumps({k: v[1] for k, v in runs.items()}, indent=2))
+    (out / "report.md").write_text(report(out, runs, cmdline, a.np, target))
+    (out / "summary.json").write_text(json.dumps({k: {str(sd): s for sd, _, s in v} for k, v in runs.items()},
+                                                 indent=2))
     print(f"[compare] wrote {out / 'report.md'}")
     return 0
 

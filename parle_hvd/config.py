@@ -11,7 +11,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Union
 
 import yaml
 
@@ -47,12 +47,15 @@ class DataConfig:
     train_limit: int = _f(0, "use only the first N training examples (0 = all); for smoke runs")
     test_limit: int = _f(0, "use only the first N test examples (0 = all)")
     augment: bool = _f(False, "random crop (4-pixel pad) and horizontal flip on training batches")
+    val_frac: float = _f(0.0, "hold out this fraction of each class of the training set as a validation split "
+                         "(fixed by train.seed), evaluated with the test set (valid/* metrics)")
 
     def __post_init__(self):
         _check(0.0 < self.frac <= 1.0, "data.frac", f"must be in (0, 1], got {self.frac}")
         _check(self.train_limit >= 0, "data.train_limit", "must be >= 0")
         _check(self.test_limit >= 0, "data.test_limit", "must be >= 0")
         _check(0.0 < self.test_frac < 1.0, "data.test_frac", f"must be in (0, 1), got {self.test_frac}")
+        _check(0.0 <= self.val_frac < 1.0, "data.val_frac", f"must be in [0, 1), got {self.val_frac}")
         _check(self.image_size >= 0, "data.image_size", "must be >= 0")
 
 
@@ -79,14 +82,20 @@ class ParleConfig:
     gamma_min_inv: float = _f(1.0, "1/gamma_min: cap of the inner coupling")
     rho0_inv: float = _f(1.0, "1/rho0: initial elastic coupling toward the reference (parle and elastic)")
     rho_min_inv: float = _f(10.0, "1/rho_min: cap of the elastic coupling")
-    scoping: float = _f(0.5, "s: couplings grow by (1 + s/nb) per outer step")
+    scoping: Union[float, str] = _f(0.5, "s: couplings grow by (1 + s/nb) per outer step (PARLE.md); auto: each "
+                                    "grows geometrically from its start to its cap at parle.scoping_end of the run")
+    scoping_end: float = _f(1.0, "scoping=auto: the fraction of the run (of train.epochs) at which both couplings "
+                            "reach their caps")
     init: str = _f("independent", "replica initialisation: independent (seed + rank) or "
                    "broadcast (rank 0's weights)", ["independent", "broadcast"])
 
     def __post_init__(self):
         _check(self.sync_period >= 1, "parle.sync_period", f"must be >= 1, got {self.sync_period}")
         _check(0.0 <= self.alpha < 1.0, "parle.alpha", f"must be in [0, 1), got {self.alpha}")
-        for k in ("gamma0_inv", "gamma_min_inv", "rho0_inv", "rho_min_inv", "scoping"):
+        _check(self.scoping == "auto" or (isinstance(self.scoping, float) and self.scoping >= 0.0), "parle.scoping",
+               f"must be a number >= 0 or auto, got {self.scoping!r}")
+        _check(0.0 < self.scoping_end <= 1.0, "parle.scoping_end", f"must be in (0, 1], got {self.scoping_end}")
+        for k in ("gamma0_inv", "gamma_min_inv", "rho0_inv", "rho_min_inv"):
             _check(getattr(self, k) >= 0.0, f"parle.{k}", f"must be >= 0, got {getattr(self, k)}")
         _check(self.gamma_min_inv >= self.gamma0_inv, "parle.gamma_min_inv", "must be >= parle.gamma0_inv")
         _check(self.rho_min_inv >= self.rho0_inv, "parle.rho_min_inv", "must be >= parle.rho0_inv")
@@ -263,11 +272,19 @@ ELASTIC_ALGOS = ("parle", "elastic", "localsgd", "diloco")
 def _type_name(tp) -> str:
     if typing.get_origin(tp) in (list, List):
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if typing.get_origin(tp) is Union:
+        return "|".join(_type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
 def _coerce(key: str, tp, value: Any):
     origin = typing.get_origin(tp)
+    if origin is Union:                 # Union[float, str]: a number, or a word the field's check accepts
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a number or a word, got {value!r}")
     if origin in (list, List):
         (inner,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):

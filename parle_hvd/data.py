@@ -49,6 +49,8 @@ class Dataset:
     num_classes: int
     mean: tuple                 # per-channel, on the 0..1 scale
     std: tuple
+    val_x: Optional[torch.Tensor] = None    # the validation split held out of train_x (data.val_frac)
+    val_y: Optional[torch.Tensor] = None
 
     @property
     def shape(self):
@@ -319,6 +321,25 @@ def load_dataset(name: str, directory: str = "", train_limit: int = 0, test_limi
     if test_limit:
         ds.test_x, ds.test_y = ds.test_x[:test_limit], ds.test_y[:test_limit]
     return ds
+
+
+def hold_out(ds: Dataset, frac: float, *, seed: int) -> Dataset:
+    """Hold out ``frac`` of each class of the training set as the validation split
+    (stratified; the examples fixed by ``seed``); the rest stays the training set. Anything
+    selected (a step, a learning rate, a variant) is selected on it, never on the test set."""
+    val, keep = [], []
+    for c in torch.unique(ds.train_y).tolist():
+        idx = (ds.train_y == c).nonzero(as_tuple=True)[0]
+        idx = idx[torch.randperm(len(idx), generator=_gen("val-split", seed, c))]
+        n_val = int(round(frac * len(idx)))
+        val.append(idx[:n_val])
+        keep.append(idx[n_val:])
+    val_i, keep_i = torch.cat(val).sort().values, torch.cat(keep).sort().values
+    if len(val_i) == 0 or len(keep_i) == 0:
+        raise DataError(f"data.val_frac {frac}: leaves an empty validation or training set "
+                        f"({len(ds.train_y)} training examples)")
+    return Dataset(ds.name, ds.train_x[keep_i], ds.train_y[keep_i], ds.test_x, ds.test_y, ds.num_classes,
+                   ds.mean, ds.std, ds.train_x[val_i], ds.train_y[val_i])
 
 
 # --------------------------------------------------------------------------- per-replica order

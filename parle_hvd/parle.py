@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "coupling", "scoping", "lr_at", "parle_inner_step_", "z_average_", "parle_outer_step_",
+    "coupling", "scoping", "coupling_auto", "scoping_auto", "lr_at", "parle_inner_step_", "z_average_", "parle_outer_step_",
     "Parle",
 ]
 
@@ -82,6 +82,23 @@ def scoping(k: int, *, gamma0_inv: float, gamma_min_inv: float, rho0_inv: float,
     gk = coupling(k, start=gamma0_inv, cap=gamma_min_inv, scoping=scoping, nb=nb)
     rk = coupling(k, start=rho0_inv, cap=rho_min_inv, scoping=scoping, nb=nb)
     return gk, rk
+
+
+def coupling_auto(passes: float, *, start: float, cap: float, end_passes: float) -> float:
+    """``parle.scoping=auto``: geometric growth from ``start`` (at 0 passes) to ``cap`` (at
+    ``end_passes``), then held: ``start * (cap/start)^min(passes/end_passes, 1)``. Unlike
+    PARLE.md's ``(1 + s/nb)^k`` it reaches the cap within the run whatever its length."""
+    if start <= 0.0:
+        return 0.0 if start == 0.0 else start
+    f = min(max(passes / end_passes, 0.0), 1.0)
+    return cap if f >= 1.0 else start * (cap / start) ** f
+
+
+def scoping_auto(passes: float, *, gamma0_inv: float, gamma_min_inv: float, rho0_inv: float,
+                 rho_min_inv: float, end_passes: float) -> tuple[float, float]:
+    """``(gk, rk)`` with ``parle.scoping=auto``: each coupling at its cap at ``end_passes``."""
+    return (coupling_auto(passes, start=gamma0_inv, cap=gamma_min_inv, end_passes=end_passes),
+            coupling_auto(passes, start=rho0_inv, cap=rho_min_inv, end_passes=end_passes))
 
 
 def lr_at(passes: float, *, lr: float, schedule: str, milestones: Sequence[float] = (),

@@ -47,13 +47,13 @@ from torch import nn
 
 from . import checkpoint, comm
 from .config import Config, to_dict
-from .data import ReplicaSampler, augment_batch, common_nb, load_dataset, replica_indices, to_input, _gen
+from .data import ReplicaSampler, augment_batch, common_nb, hold_out, load_dataset, replica_indices, to_input, _gen
 from .logger import RunLogger
 from .models import build_model, sync_tensors
 from .algorithms import ALGORITHMS
 from .checkpoint import CheckpointError
 from .watchdog import StopSignal, Watchdog
-from .parle import lr_at, scoping
+from .parle import lr_at, scoping, scoping_auto
 
 # one row per replica in every sync; "ckpt": this rank could not write its last checkpoint
 SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop", "hosts", "ckpt")
@@ -142,9 +142,16 @@ def outer_schedule(k: int, *, L: int, nb: int, parle, optim, epochs: float) -> t
     steps, i.e. ``k_scope = k * L / parle.sync_period`` (= k for Parle), so Elastic-SGD
     (L = tau) has the coupling Parle has after the same number of passes. The learning rate
     is read at the middle of the step, ``passes = (k - 1/2) * L / nb``, so a warm-up never
-    gives a whole step lr 0 and a milestone applies from the step whose middle passes it."""
-    gk, rk = scoping(k * L / parle.sync_period, gamma0_inv=parle.gamma0_inv, gamma_min_inv=parle.gamma_min_inv,
-                     rho0_inv=parle.rho0_inv, rho_min_inv=parle.rho_min_inv, scoping=parle.scoping, nb=nb)
+    gives a whole step lr 0 and a milestone applies from the step whose middle passes it.
+    ``parle.scoping=auto`` (docs/algorithm.md): the couplings are read at the end of step k,
+    ``k*L/nb`` passes, and reach their caps at ``parle.scoping_end * epochs`` passes."""
+    if parle.scoping == "auto":      # at its caps after scoping_end of the run's passes (end of step k)
+        gk, rk = scoping_auto(k * L / nb, gamma0_inv=parle.gamma0_inv, gamma_min_inv=parle.gamma_min_inv,
+                              rho0_inv=parle.rho0_inv, rho_min_inv=parle.rho_min_inv,
+                              end_passes=parle.scoping_end * epochs)
+    else:
+        gk, rk = scoping(k * L / parle.sync_period, gamma0_inv=parle.gamma0_inv, gamma_min_inv=parle.gamma_min_inv,
+                         rho0_inv=parle.rho0_inv, rho_min_inv=parle.rho_min_inv, scoping=parle.scoping, nb=nb)
     lr = lr_at((k - 0.5) * L / nb, lr=optim.lr, schedule=optim.schedule, milestones=optim.milestones,
                decay=optim.decay, total_passes=epochs, warmup_passes=optim.warmup_passes)
     return gk, rk, lr
@@ -178,25 +185,37 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
 
 
 @torch.no_grad()
-def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list):
-    """Test loss and accuracy of the reference, the test set sharded across ranks and the
-    sums allreduced in float64 together with ``extra`` slot rows. All ranks reach this."""
-    ref.eval()
-    n = len(ds.test_x)
+def _shard_sums(ref: nn.Module, x_all, y_all, ds, rank: int, world: int, batch_size: int, dtype, dev) -> list:
+    """[correct, summed loss, count] of the reference on this rank's shard of (x_all, y_all)."""
+    n = len(x_all)
     lo, hi = (rank * n) // world, ((rank + 1) * n) // world
     correct = loss = 0.0
     for i in range(lo, hi, batch_size):
-        x = to_input(ds.test_x[i:min(i + batch_size, hi)].to(dev), ds.mean, ds.std, dtype)
-        y = ds.test_y[i:min(i + batch_size, hi)].to(dev)
+        x = to_input(x_all[i:min(i + batch_size, hi)].to(dev), ds.mean, ds.std, dtype)
+        y = y_all[i:min(i + batch_size, hi)].to(dev)
         out = ref(x)
         loss += float(F.cross_entropy(out, y, reduction="sum"))
         correct += float((out.argmax(1) == y).sum())
-    sums = torch.tensor([correct, loss, float(hi - lo)], dtype=torch.float64)
+    return [correct, loss, float(hi - lo)]
+
+
+@torch.no_grad()
+def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list):
+    """Test loss and accuracy of the reference (and, with a validation split, its
+    validation loss and accuracy), each set sharded across ranks and the sums allreduced in
+    float64 together with ``extra`` slot rows: one allreduce. All ranks reach this.
+    Returns (test acc, test loss, rows, (valid acc, valid loss) or None)."""
+    ref.eval()
+    parts = _shard_sums(ref, ds.test_x, ds.test_y, ds, rank, world, batch_size, dtype, dev)
+    if ds.val_x is not None:
+        parts += _shard_sums(ref, ds.val_x, ds.val_y, ds, rank, world, batch_size, dtype, dev)
+    sums = torch.tensor(parts, dtype=torch.float64)
     rows = torch.zeros(world, len(extra), dtype=torch.float64)
     rows[rank] = torch.tensor(extra, dtype=torch.float64)
     comm.allreduce_sum_([sums, rows], name="eval")   # all ranks reach this
-    c, l, cnt = sums.tolist()
-    return c / cnt, l / cnt, rows
+    v = sums.tolist()
+    valid = (v[3] / v[5], v[4] / v[5]) if len(v) > 3 else None
+    return v[0] / v[2], v[1] / v[2], rows, valid
 
 
 # --------------------------------------------------------------------------- run setup
@@ -252,6 +271,8 @@ def discard_if_empty(d: Path) -> None:
         if any(p.is_file() for p in d.rglob("*") if ".heartbeat" not in p.relative_to(d).parts):
             return
         shutil.rmtree(d, ignore_errors=True)
+        if d.parent.name == "runs":
+            d.parent.rmdir()          # only if no other run is there (rmdir refuses a non-empty one)
     except OSError:
         pass
 
@@ -436,6 +457,8 @@ class Trainer:
         if self.ds is None:
             self.ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data,
                                    seed=cfg.train.seed)
+            if cfg.data.val_frac:       # the same split on every rank: it depends on the seed only
+                self.ds = hold_out(self.ds, cfg.data.val_frac, seed=cfg.train.seed)
         ds = self.ds
         # dpsgd: frac = 1/n cuts disjoint shards that cover the data (data.window_bounds)
         split, frac = (("frac", 1.0 / world0) if algo_cls.shard_data and world0 > 1 else (cfg.data.split, cfg.data.frac))
@@ -474,7 +497,8 @@ class Trainer:
         self.k, self.wall_before, self.evals, self.samples, self.dist_prev = 0, 0.0, 0, 0, 0.0
         self.sched = None
         self.ref_n = world           # how many replicas the current reference averages
-        self.last_val = (float("nan"), float("nan"))
+        self.last_val = (float("nan"), float("nan"))       # test accuracy and loss at the last evaluation
+        self.last_valid = (float("nan"), float("nan"))     # the same on the validation split (data.val_frac)
         self.spread = (float("nan"), float("nan"))
         self.built = True
 
@@ -593,7 +617,8 @@ class Trainer:
                 "rng_cuda": torch.cuda.get_rng_state() if self.dev.type == "cuda" else None,
                 "comm": comm.stats().as_dict(), "sched": list(self.sched), "dist_prev": self.dist_prev,
                 "wall": self.wall(), "evals": self.evals, "samples": self.samples,
-                "last_val": list(self.last_val), "spread": list(self.spread), "ref_n": self.ref_n,
+                "last_val": list(self.last_val), "last_valid": list(self.last_valid), "spread": list(self.spread),
+                "ref_n": self.ref_n,
                 "config": to_dict(self.cfg)}
 
     def load_state(self, st: dict) -> None:
@@ -612,6 +637,7 @@ class Trainer:
         self.k, self.sched, self.dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
         self.spread = tuple(st.get("spread", self.spread))
+        self.last_valid = tuple(st.get("last_valid", self.last_valid))
         self.ref_n = st.get("ref_n", st.get("world", self.world))
 
     def save_ckpt(self, k: int, *, last: bool) -> None:
@@ -857,16 +883,22 @@ class Trainer:
                 with dog.collective("evaluation", k):
                     algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
                     recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
-                    acc, vloss, drows = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev,
-                                                 [self.dist_prev])
+                    acc, vloss, drows, valid = evaluate(ref, ds, rank, world, cfg.eval.batch_size, dtype, dev,
+                                                        [self.dist_prev])
                 if algo.syncs:
                     self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
                 self.evals += 1
                 self.last_val = (acc, vloss)
-                log.scalars(k, {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,
-                                "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
-                                "train/passes": k * L / nb, "train/wall_seconds": self.wall()})
-                log.info(f"step {k}/{K} pass {k * L / nb:.2f}: val acc {acc:.4f} loss {vloss:.4f}, "
+                sc = {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,   # val/*: the test set
+                      "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
+                      "train/passes": k * L / nb, "train/wall_seconds": self.wall()}
+                if valid is not None:
+                    self.last_valid = valid
+                    sc.update({"valid/accuracy": valid[0], "valid/loss": valid[1], "valid/error": 1 - valid[0]})
+                log.scalars(k, sc)
+                log.info(f"step {k}/{K} pass {k * L / nb:.2f}: "
+                         + (f"valid acc {valid[0]:.4f}, " if valid is not None else "")
+                         + f"test acc {acc:.4f} loss {vloss:.4f}, "
                          f"train loss {float(rows[:, 0].mean()):.4f}, lr {lr:.3g}"
                          + (f" gamma_inv {gk:.3g}" if "gamma" in algo.couplings else "")
                          + (f" rho_inv {rk:.3g}" if "rho" in algo.couplings else "")
@@ -897,7 +929,11 @@ class Trainer:
         wall = self.wall()
         cs = comm.stats()
         K, L = self.K, self.L
-        summary = {"val_accuracy": self.last_val[0], "val_loss": self.last_val[1], "wall_seconds": wall,
+        # val_accuracy/val_loss: the test set (the historical names); valid_*: the held-out
+        # validation split of the training set (data.val_frac; NaN without one)
+        summary = {"val_accuracy": self.last_val[0], "val_loss": self.last_val[1],
+                   "test_accuracy": self.last_val[0], "test_loss": self.last_val[1],
+                   "valid_accuracy": self.last_valid[0], "valid_loss": self.last_valid[1], "wall_seconds": wall,
                    "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / self.nb,
                    "evaluations": self.evals, "samples_seen": self.samples, "allreduce_calls": cs.allreduce_calls,
                    "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,

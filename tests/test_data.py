@@ -218,3 +218,20 @@ def test_random_streams_never_collide():
     assert _gen("sampler", 42, 0, 166).initial_seed() != _gen("augment", 42, 0).initial_seed()
     with pytest.raises(TypeError):
         _gen(42, 0, 166)                                     # the stream is named first
+
+
+def test_validation_split_is_stratified_disjoint_and_fixed_by_the_seed():
+    from parle_hvd.data import Dataset, hold_out
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(1000) % 4                                   # 250 per class
+    x = torch.arange(1000).to(torch.int64).view(1000, 1, 1, 1)  # each image names its index
+    ds = Dataset("t", x, y, x[:10], y[:10], 4, (0.5,), (0.5,))
+    a, b, c = hold_out(ds, 0.1, seed=1), hold_out(ds, 0.1, seed=1), hold_out(ds, 0.1, seed=2)
+    assert torch.bincount(a.val_y).tolist() == [25] * 4           # stratified
+    tr, va = set(a.train_x.flatten().tolist()), set(a.val_x.flatten().tolist())
+    assert not tr & va and len(tr | va) == 1000                   # disjoint, nothing lost
+    assert torch.equal(a.val_x, b.val_x) and not torch.equal(a.val_x, c.val_x)
+    assert torch.equal(a.test_x, ds.test_x)                       # the test set untouched
+    assert all(int(i) % 4 == int(l) for i, l in zip(a.val_x.flatten(), a.val_y))   # labels follow their images
+    with pytest.raises(DataError, match="data.val_frac"):
+        hold_out(Dataset("t", x[:3], y[:3], x[:1], y[:1], 4, (0.5,), (0.5,)), 0.1, seed=0)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from parle_hvd.parle import (Parle, coupling, lr_at, parle_inner_step_, parle_outer_step_, scoping,
-                             z_average_)
+from parle_hvd.parle import (Parle, coupling, coupling_auto, lr_at, parle_inner_step_, parle_outer_step_, scoping,
+                             scoping_auto, z_average_)
 
 D_IN, D_OUT = 4, 3
 
@@ -287,3 +287,32 @@ def test_state_dict_roundtrip_continues_identically():
     assert not torch.equal(other[0], full[0])
     with pytest.raises(ValueError):
         opts[0].load_state_dict({**states[0][1], "v_in": states[0][1]["v_in"][:1]})
+
+
+@pytest.mark.parametrize("start,cap,end", [(0.01, 1.0, 20.0), (1.0, 10.0, 3.5), (0.3, 0.3, 1.0)])
+def test_auto_scoping_reaches_each_cap_at_scoping_end_and_grows_monotonically(start, cap, end):
+    vals = [coupling_auto(p, start=start, cap=cap, end_passes=end) for p in [end * i / 997 for i in range(1200)]]
+    assert vals == sorted(vals) and vals[0] == start
+    assert coupling_auto(end, start=start, cap=cap, end_passes=end) == pytest.approx(cap, rel=1e-9, abs=0)
+    assert coupling_auto(end * (1 - 1e-12), start=start, cap=cap, end_passes=end) == pytest.approx(cap, rel=1e-9)
+    assert all(v == cap for v in vals[998:])
+    assert coupling_auto(end / 2, start=start, cap=cap, end_passes=end) == pytest.approx((start * cap) ** 0.5)
+    gk, rk = scoping_auto(end, gamma0_inv=0.01, gamma_min_inv=1.0, rho0_inv=1.0, rho_min_inv=10.0, end_passes=end)
+    assert (gk, rk) == (pytest.approx(1.0, rel=1e-9), pytest.approx(10.0, rel=1e-9))
+
+
+def test_trainer_schedule_auto_and_a_number():
+    """scoping=auto through the trainer's schedule: both couplings at their caps at
+    scoping_end of the run; a number gives exactly PARLE.md's (1 + s/nb)^k."""
+    from parle_hvd.config import make_config
+    from parle_hvd.trainer import outer_schedule
+    nb, L, epochs = 468, 25, 20.0
+    cfg = make_config(None, ["parle.scoping=auto", "parle.scoping_end=0.5"])
+    k_end = 0.5 * epochs * nb / L                          # 187.2 outer steps
+    steps = [outer_schedule(k, L=L, nb=nb, parle=cfg.parle, optim=cfg.optim, epochs=epochs) for k in range(1, 400)]
+    assert [s[0] for s in steps] == sorted(s[0] for s in steps) and [s[1] for s in steps] == sorted(s[1] for s in steps)
+    assert all(s[:2] == (1.0, 10.0) for s in steps[int(k_end):]) and steps[int(k_end) - 2][0] < 1.0
+    num = make_config(None, ["parle.scoping=0.5"])
+    for k in (1, 10, 100):
+        assert outer_schedule(k, L=L, nb=nb, parle=num.parle, optim=num.optim, epochs=epochs)[:2] == \
+            scoping(k, gamma0_inv=0.01, gamma_min_inv=1.0, rho0_inv=1.0, rho_min_inv=10.0, scoping=0.5, nb=nb)

@@ -194,3 +194,20 @@ def test_checkpoint_holds_what_resume_needs_and_no_more(tmp_path):
     total = sum(t.numel() * t.element_size() for k, v in st.items() if k not in ("rng_torch", "aug_gen")
                 for t in tensors(v))
     assert 3.9 * model_bytes < total < 4.05 * model_bytes, total / model_bytes
+
+
+@needs_fashion
+def test_validation_split_is_evaluated_beside_the_test_set(tmp_path):
+    """data.val_frac: the held-out part leaves the training data (fewer batches per pass),
+    every evaluation reports valid/* beside the test set's val/*, and summary.json has both."""
+    s = train(_cfg(tmp_path, "data.train_limit=1000", "data.test_limit=200", "data.val_frac=0.2",
+                   "parle.sync_period=5", "train.batch_size=50", "train.epochs=1", "eval.every=0.5",
+                   "eval.bn_batches=1"))
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["batches_per_pass"] == 800 // 50
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    ev = [l for l in lines if "val/accuracy" in l]
+    assert len(ev) == s["evaluations"] == 2 and all("valid/accuracy" in l and "valid/error" in l for l in ev)
+    assert s["valid_accuracy"] == ev[-1]["valid/accuracy"] and 0 < s["valid_accuracy"] < 1
+    assert s["test_accuracy"] == s["val_accuracy"] == ev[-1]["val/accuracy"]
+    assert math.isfinite(s["valid_loss"]) and s["valid_accuracy"] != s["test_accuracy"]
