@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="")
     ap.add_argument("--reports", default="reports")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)          # overrides may come before or after the flags
     from .algorithms import ALGORITHMS
     from .config import ConfigError, make_config
     algos = [x.strip() for x in a.algos.split(",") if x.strip()]
