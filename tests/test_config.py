@@ -1,5 +1,6 @@
 """Configuration: YAML + overrides, rejection with the key named, --help, and the CLI's
 one-line exit-2 errors for bad input."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,17 @@ def test_elastic_mode_algorithms_are_those_with_a_per_replica_reference():
         else:
             with pytest.raises(ConfigError, match="dist.elastic: needs an algorithm with a reference"):
                 make_config(None, [f"algo={algo}", "dist.elastic=true"])
+
+
+def test_scoping_is_a_number_or_auto_and_val_frac_and_elastic_momentum_are_checked():
+    assert make_config(None, ["parle.scoping=auto"]).parle.scoping == "auto"
+    assert make_config(None, ["parle.scoping=0.25"]).parle.scoping == 0.25
+    assert make_config(None, ["parle.scoping=1"]).parle.scoping == 1.0
+    for bad, key in (("parle.scoping=fast", "parle.scoping: must be a number >= 0 or auto"),
+                     ("parle.scoping=-1", "parle.scoping: must be a number >= 0 or auto"),
+                     ("parle.scoping=[1]", "parle.scoping: expected a number or a word"),
+                     ("parle.scoping_end=0", "parle.scoping_end: must be in (0, 1]"),
+                     ("data.val_frac=1.0", "data.val_frac: must be in [0, 1)"),
+                     ("elastic.momentum=1.0", "elastic.momentum: must be in [0, 1)")):
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            make_config(None, [bad])
