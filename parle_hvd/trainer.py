@@ -239,9 +239,10 @@ def _versions() -> dict:
     return v
 
 
-def resolve_run_dir(cfg: Config) -> tuple[Path, bool]:
-    """Rank 0 only: the run directory, created and checked writable, and whether this call
-    created it (a start that fails removes it again if it holds nothing: ``discard_if_empty``)."""
+def resolve_run_dir(cfg: Config) -> tuple[Path, Optional[Path]]:
+    """Rank 0 only: the run directory, created and checked writable, and the topmost
+    directory this call created (None if the run directory existed): a start that fails
+    removes that again if the run directory holds nothing (``discard_if_empty``)."""
     if cfg.run.dir:
         d = Path(cfg.run.dir)
     elif cfg.run.resume:
@@ -252,7 +253,11 @@ def resolve_run_dir(cfg: Config) -> tuple[Path, bool]:
         d = cands[-1]
     else:
         d = Path("runs") / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    created = not d.exists()
+    created = None
+    if not d.exists():
+        created = d
+        while not created.parent.exists():
+            created = created.parent
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / f".write-test-{os.getpid()}"
@@ -263,28 +268,29 @@ def resolve_run_dir(cfg: Config) -> tuple[Path, bool]:
     return d, created
 
 
-def discard_if_empty(d: Path) -> None:
-    """Remove run directory ``d`` if it holds no file but the watchdog's heartbeats: what a
-    start that failed leaves behind."""
+def discard_if_empty(d: Path, created: Path) -> None:
+    """What a start that failed leaves behind: remove ``created`` (the run directory ``d``
+    or the topmost directory above it that the start made, e.g. ``runs/``) if ``d`` holds
+    no file but the watchdog's heartbeats."""
     d = Path(d)
     try:
         if any(p.is_file() for p in d.rglob("*") if ".heartbeat" not in p.relative_to(d).parts):
             return
-        shutil.rmtree(d, ignore_errors=True)
-        if d.parent.name == "runs":
-            d.parent.rmdir()          # only if no other run is there (rmdir refuses a non-empty one)
+        shutil.rmtree(created, ignore_errors=True)
     except OSError:
         pass
 
 
-def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int], int]:
-    """Rank 0 resolves the run directory and the checkpoint to resume (its step and the
-    number of ranks that wrote it), and sends them and its config to every rank (one
+def _start(cfg: Config, rank: int) -> tuple[Config, Path, list, int, Optional[Path]]:
+    """Rank 0 resolves the run directory and the checkpoint steps a resume may use (newest
+    first, complete by their file names; ``agree_on_checkpoint`` then checks they load) and
+    the number of ranks that wrote them, and sends them and its config to every rank (one
     source of truth even if the ranks' configs differ). An elastic run may resume a
-    checkpoint written by another number of ranks; any other run needs its own number."""
+    checkpoint written by another number of ranks; any other run needs its own number.
+    Returns (config, run dir, steps, their world size, the directory rank 0 created or None)."""
     msg = None
     world = comm.size()
-    created = False
+    created = None
     if rank == 0:
         d = None
         try:
@@ -301,7 +307,7 @@ def _start(cfg: Config, rank: int) -> tuple[Config, Path, Optional[int], int]:
             msg = {"cfg": cfg, "steps": steps, "ckpt_world": ckpt_world}
         except RunError as e:
             if created:
-                discard_if_empty(d)
+                discard_if_empty(d, created)
             msg = {"error": str(e)}
     mine = to_dict(cfg)
     msg = comm.broadcast_object(msg)           # all ranks reach this
@@ -416,7 +422,7 @@ class Trainer:
         self.restored = False
         self.ckpt_error = None       # this rank's failed checkpoint write, reported at the next sync
         self.removal_only = False    # elastic mode: the interrupt in flight removes hosts only (no sync follows)
-        self.created_dir = False     # rank 0 made the run directory in this start (removed if the start fails)
+        self.created_dir = None      # what rank 0 made for the run directory in this start (removed if the start fails)
         self.log = None
         self.ds = None
         self.built = False
@@ -527,7 +533,7 @@ class Trainer:
             return self._start_run()
         except BaseException:
             if self.created_dir and self.log is None:     # failed before the run began: leave no empty dir
-                discard_if_empty(self.run_dir)
+                discard_if_empty(self.run_dir, self.created_dir)
             raise
 
     def _start_run(self) -> bool:
@@ -757,6 +763,7 @@ class Trainer:
         if rank == root:
             msg = {"cfg": self.cfg, "run_dir": str(self.run_dir), "world0": self.world0, "k": self.k,
                    "sched": self.sched, "evals": self.evals, "samples": self.samples, "last_val": self.last_val,
+                   "last_valid": self.last_valid,
                    "spread": self.spread, "wall": self.wall(), "comm": comm.stats().as_dict(), "events": self.events,
                    "resumed_from": self.resumed_from, "ref_n": self.ref_n}
         with self.dog.collective("elastic run state", k_new):
@@ -781,6 +788,7 @@ class Trainer:
                     m.copy_(r)                      # the new replica starts at the current reference
             self.k, self.sched, self.evals, self.samples = msg["k"], tuple(msg["sched"]), msg["evals"], msg["samples"]
             self.last_val, self.spread, self.resumed_from = tuple(msg["last_val"]), tuple(msg["spread"]), msg["resumed_from"]
+            self.last_valid = tuple(msg["last_valid"])
             self.wall_before, self.t_start = msg["wall"], time.monotonic()
             self.dist_prev = replica_distance(self.model, self.ref)
             comm.load_stats(msg["comm"])
