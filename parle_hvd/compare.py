@@ -287,6 +287,7 @@ def main(argv=None) -> int:
     out = Path(a.reports) / name
     (out / "runs").mkdir(parents=True, exist_ok=True)
     runs: dict = {algo: [] for algo in algos}
+    where: dict = {algo: {} for algo in algos}      # algo -> seed -> run folder (runs.json)
     for seed in range(base, base + a.seeds):
         for algo in algos:
             key, cfg = run_key(a.config, a.overrides, algo, seed, a.np)
@@ -303,6 +304,7 @@ def main(argv=None) -> int:
                 print(f"[compare] {algo} seed {seed}: final test error {100 * (1 - s['val_accuracy']):.2f} %, "
                       f"{s['wall_seconds']:.1f} s, {s['bytes_communicated'] / 1e6:.1f} MB", flush=True)
             runs[algo].append((seed, load_metrics(d), s))
+            where[algo][str(seed)] = d.name
     target = a.target or default_target(runs)
     for algo, rs in runs.items():
         for seed, ms, s in rs:
@@ -314,6 +316,7 @@ def main(argv=None) -> int:
     (out / "report.md").write_text(report(out, runs, cmdline, a.np, target))
     (out / "summary.json").write_text(json.dumps({k: {str(sd): s for sd, _, s in v} for k, v in runs.items()},
                                                  indent=2))
+    (out / "runs.json").write_text(json.dumps(where, indent=2))
     print(f"[compare] wrote {out / 'report.md'}")
     return 0
 

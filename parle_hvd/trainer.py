@@ -501,6 +501,7 @@ class Trainer:
 
         # State carried across outer steps (and checkpoints).
         self.k, self.wall_before, self.evals, self.samples, self.dist_prev = 0, 0.0, 0, 0, 0.0
+        self.eval_wall = 0.0         # seconds spent evaluating (in wall()): time to accuracy can leave it out
         self.sched = None
         self.ref_n = world           # how many replicas the current reference averages
         self.last_val = (float("nan"), float("nan"))       # test accuracy and loss at the last evaluation
@@ -571,6 +572,7 @@ class Trainer:
             self.load_state(st)
             comm.load_stats(st["comm"])
             self.wall_before = st["wall"]
+            self.eval_wall = st.get("eval_wall", 0.0)
         header = self._header()
 
         # Only now, with the config and any checkpoint accepted, touch the run directory's files.
@@ -622,7 +624,7 @@ class Trainer:
                 "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(), "rng_np": np.random.get_state(),
                 "rng_cuda": torch.cuda.get_rng_state() if self.dev.type == "cuda" else None,
                 "comm": comm.stats().as_dict(), "sched": list(self.sched), "dist_prev": self.dist_prev,
-                "wall": self.wall(), "evals": self.evals, "samples": self.samples,
+                "wall": self.wall(), "eval_wall": self.eval_wall, "evals": self.evals, "samples": self.samples,
                 "last_val": list(self.last_val), "last_valid": list(self.last_valid), "spread": list(self.spread),
                 "ref_n": self.ref_n,
                 "config": to_dict(self.cfg)}
@@ -764,7 +766,7 @@ class Trainer:
             msg = {"cfg": self.cfg, "run_dir": str(self.run_dir), "world0": self.world0, "k": self.k,
                    "sched": self.sched, "evals": self.evals, "samples": self.samples, "last_val": self.last_val,
                    "last_valid": self.last_valid,
-                   "spread": self.spread, "wall": self.wall(), "comm": comm.stats().as_dict(), "events": self.events,
+                   "spread": self.spread, "wall": self.wall(), "eval_wall": self.eval_wall, "comm": comm.stats().as_dict(), "events": self.events,
                    "resumed_from": self.resumed_from, "ref_n": self.ref_n}
         with self.dog.collective("elastic run state", k_new):
             msg = comm.broadcast_object(msg, root=root, name="elastic.run")   # all ranks reach this
@@ -790,6 +792,7 @@ class Trainer:
             self.last_val, self.spread, self.resumed_from = tuple(msg["last_val"]), tuple(msg["spread"]), msg["resumed_from"]
             self.last_valid = tuple(msg["last_valid"])
             self.wall_before, self.t_start = msg["wall"], time.monotonic()
+            self.eval_wall = msg["eval_wall"]
             self.dist_prev = replica_distance(self.model, self.ref)
             comm.load_stats(msg["comm"])
             self.events = list(msg["events"])
@@ -888,6 +891,7 @@ class Trainer:
             # A stop still evaluates at an evaluation step, so that an interrupted and resumed
             # run makes the same evaluations (and the same summary) as an uninterrupted one.
             if k % self.eval_every_steps == 0 or k == K:
+                t_eval = time.monotonic()
                 with dog.collective("evaluation", k):
                     algo.form_reference(model_t, ref_t)     # all ranks reach this (a no-op for syncing algorithms)
                     recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, dtype, dev)
@@ -896,10 +900,12 @@ class Trainer:
                 if algo.syncs:
                     self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
                 self.evals += 1
+                self.eval_wall += time.monotonic() - t_eval
                 self.last_val = (acc, vloss)
                 sc = {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,   # val/*: the test set
                       "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
-                      "train/passes": k * L / nb, "train/wall_seconds": self.wall()}
+                      "train/passes": k * L / nb, "train/wall_seconds": self.wall(),
+                      "train/eval_seconds": self.eval_wall}
                 if valid is not None:
                     self.last_valid = valid
                     sc.update({"valid/accuracy": valid[0], "valid/loss": valid[1], "valid/error": 1 - valid[0]})
@@ -942,7 +948,7 @@ class Trainer:
         summary = {"val_accuracy": self.last_val[0], "val_loss": self.last_val[1],
                    "test_accuracy": self.last_val[0], "test_loss": self.last_val[1],
                    "valid_accuracy": self.last_valid[0], "valid_loss": self.last_valid[1], "wall_seconds": wall,
-                   "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / self.nb,
+                   "eval_seconds": self.eval_wall, "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / self.nb,
                    "evaluations": self.evals, "samples_seen": self.samples, "allreduce_calls": cs.allreduce_calls,
                    "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
                    "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,

@@ -104,6 +104,10 @@ def test_run_outputs_and_single_rank_counters(tmp_path):
               "comm/allreduce_calls", "perf/samples_per_sec"):
         assert k in keys, k
     assert sum("val/accuracy" in l for l in lines) == summ["evaluations"] == 2
+    # the time spent evaluating is counted (time to accuracy leaves it out), grows, and is part of the wall time
+    ev = [l["train/eval_seconds"] for l in lines if "val/accuracy" in l]
+    assert 0 < ev[0] < ev[1] == summ["eval_seconds"] < summ["wall_seconds"]
+    assert all(l["train/eval_seconds"] < l["train/wall_seconds"] for l in lines if "val/accuracy" in l)
     # TensorBoard event file holds the same tags
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(str(tmp_path / "tb"))
