@@ -3,14 +3,14 @@
 # Resumable: every step caches its finished runs, so a killed sweep goes on where it stopped
 # and a complete one only rewrites the page (seconds). About 2.5 hours on 2 cores; needs root
 # for RQ1's throttled hosts. Run it in the background:
-#   nohup scripts/claims_sweep.sh > reports/claims_sweep.log 2>&1 &
+#   mkdir -p reports && nohup scripts/claims_sweep.sh > reports/claims_sweep.log 2>&1 &
 #   make claims            (the same, in the foreground)
 # ONLY="rq1 rq2_full" runs a subset; the page is written from whatever reports exist.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-3}
-ONLY=${ONLY:-"rq1 rq2_full rq4 rq3 rq2_small rq2_small_aug"}
+ONLY=${ONLY:-"rq1 rq2_full rq4 rq3 rq2_small_aug rq2_small"}
 mkdir -p reports
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -40,13 +40,13 @@ if want rq3; then
             --name "$name" $FULL data.split=frac data.frac="$frac"
     done
 fi
-if want rq2_small; then
-    step "RQ2 generalization, 6000 images, no augmentation"
-    SEEDS=$SEEDS PY=$PY scripts/rq2_small_sweep.sh
-fi
 if want rq2_small_aug; then
     step "RQ2 generalization, 6000 images, with augmentation"
     SEEDS=$SEEDS PY=$PY AUGMENT=true scripts/rq2_small_sweep.sh
+fi
+if want rq2_small; then
+    step "RQ2 generalization, 6000 images, no augmentation"
+    SEEDS=$SEEDS PY=$PY scripts/rq2_small_sweep.sh
 fi
 step "writing docs/CLAIMS.md"
 "$PY" scripts/write_claims.py --reports reports --out docs/CLAIMS.md

@@ -1,0 +1,94 @@
+"""scripts/write_claims.py: the verdict rules and the page, on reports made by hand (the
+real ones take hours; their smoke is test_compare's --seeds run)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("write_claims", ROOT / "scripts" / "write_claims.py")
+wc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(wc)
+
+
+def fake_report(d: Path, errors: dict, valid_best_at_first: bool = False) -> None:
+    """A compare report: errors[algo] = [final test error per seed 42, 43, ...]; two
+    evaluations per run, the first one with a worse test error."""
+    where = {}
+    for algo, errs in errors.items():
+        where[algo] = {}
+        for i, e in enumerate(errs):
+            seed = 42 + i
+            rd = d / "runs" / f"{algo}-s{seed}-abc"
+            rd.mkdir(parents=True)
+            first = {"step": 1, "val/error": e + 0.05, "valid/error": 0.01 if valid_best_at_first else 0.3}
+            last = {"step": 2, "val/error": e, "valid/error": 0.2}
+            (rd / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n")
+            (rd / "summary.json").write_text(json.dumps({
+                "test_accuracy": 1 - e, "val_accuracy": 1 - e, "valid_accuracy": 0.8, "wall_seconds": 10.0,
+                "passes": 10.0, "final_replica_distance": 0.1 if algo == "parle" else float("nan")}))
+            where[algo][str(seed)] = rd.name
+    (d / "runs.json").write_text(json.dumps(where))
+    (d / "report.md").write_text("# fake\n")
+
+
+def test_verdict_rule_of_a_regime():
+    assert wc.verdict_rq2(["better"] * 6) == "confirmed"
+    assert wc.verdict_rq2(["better", "worse", "no difference"]) == "mixed"
+    assert wc.verdict_rq2(["no difference", "worse"]) == "not confirmed"
+    assert wc.verdict_rq2([]) == "not measured"
+
+
+def test_page_from_reports(tmp_path):
+    rep = tmp_path / "reports"
+    # full data: parle 1 point better than every baseline on every seed (a tiny spread)
+    base = {"parle": [0.100, 0.101, 0.099]}
+    base.update({a: [0.110, 0.112, 0.109] for a in wc.BASELINES})
+    fake_report(rep / "rq2_full", base, valid_best_at_first=True)
+    # small data: parle no different from sgd, worse than localsgd
+    fake_report(rep / "rq2_small", {"parle": [0.13, 0.14, 0.12], "sgd": [0.14, 0.12, 0.13],
+                                    "localsgd": [0.12, 0.13, 0.11]})
+    # split data at 1/2: better than sgd on the same half, no different from sgd on all data
+    fake_report(rep / "rq3_frachalf", {"parle": [0.105, 0.110, 0.100], "sgd": [0.130, 0.131, 0.129]})
+    (rep / "rq1").mkdir(parents=True)
+    row = lambda r: {"target": 0.9, "dpsgd_train_seconds": 100.0, "parle_train_seconds": 100.0 * r, "ratio": r,
+                     "dpsgd_wall_to_target": 1, "parle_wall_to_target": 1, "dpsgd_final": 0.9, "parle_final": 0.91,
+                     "dpsgd_wall": 1, "parle_wall": 1, "dpsgd_mb": 100.0, "parle_mb": 4.0}
+    (rep / "rq1" / "rq1.json").write_text(json.dumps({
+        "passes": 4, "tuning": {"link": "10mbit", "best": "fp16_cycle1", "fp16": True, "cycle_ms": 1.0,
+                                "candidates": {"fp16_cycle1": {"train_seconds": 50.0}}},
+        "links": {"loopback": {"42": row(1.1), "43": row(1.2), "44": row(1.15)},
+                  "10mbit": {"42": row(0.30), "43": row(0.31), "44": row(0.29)}}}))
+    (rep / "rq4").mkdir()
+    lines = [{"algo": a, "seed": s, "base_loss": 0.2, "rise": {"0.1": r, "0.2": 4 * r}}
+             for a, r0 in (("parle", 0.01), ("sgd", 0.03)) for s, r in zip((42, 43, 44), (r0, r0 * 1.1, r0 * 0.9))]
+    (rep / "rq4" / "flatness.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+
+    out, data = tmp_path / "CLAIMS.md", tmp_path / "claims"
+    assert wc.main(["--reports", str(rep), "--out", str(out), "--data", str(data)]) == 0
+    page = out.read_text()
+    table = {l.split("|")[1].strip(): l.split("|")[-2].strip() for l in page.splitlines()
+             if l.startswith("| RQ")}
+    # RQ1: slower on loopback, >2x faster at 10 Mbit: mixed (the claim is 2x everywhere)
+    assert table["RQ1 speed"] == "**mixed**"
+    # RQ2: confirmed in the full-data regime (better than all six), which is enough
+    assert table["RQ2 generalization"] == "**confirmed**"
+    assert "Regime verdict: confirmed" in page and "Regime verdict: not confirmed" in page
+    # RQ3: better than sgd on the same half; sgd on all data is rq2_full's (0.110 > parle 0.105): mixed or better
+    assert table["RQ3 split data"] in ("**confirmed**", "**mixed**")
+    assert "rq3_fracthird" not in page or "not measured yet" in page
+    assert table["RQ4 flat minima"] == "**confirmed**"
+    assert table["RQ5 heterogeneous systems"] == "**not yet measured**"
+    # the test error at the best validation step is the first evaluation's (valid error 0.01)
+    assert "15.00" in page          # parle's chosen test error: 0.10 + 0.05
+    d = json.loads((data / "data.json").read_text())
+    assert set(d) >= {"rq1", "rq2_full", "rq2_small", "rq3_frachalf", "rq4"}
+    assert (data / "rq2_full" / "report.md").is_file()
+
+
+def test_missing_reports_say_not_measured(tmp_path):
+    out = tmp_path / "CLAIMS.md"
+    assert wc.main(["--reports", str(tmp_path / "none"), "--out", str(out), "--data", str(tmp_path / "d")]) == 0
+    page = out.read_text()
+    assert page.count("**not measured**") == 4 and "not yet measured" in page
