@@ -3,19 +3,24 @@ data-parallel SGD (dpsgd, Horovod's DistributedOptimizer) at its best, 2 ranks, 
 and between the two network-namespace hosts of tools/netlab.py throttled to 100 Mbit and to
 10 Mbit, over several seeds.
 
-    python scripts/rq1_speed.py [--seeds 3] [--passes 5] [--links loopback,100mbit,10mbit] [--out reports/rq1]
+    python scripts/rq1_speed.py [--seeds 3] [--passes 4] [--parle-passes 8] [--links loopback,100mbit,10mbit] [--out reports/rq1]
 
 1. dpsgd is tuned first, the way a Horovod user would, on the slowest link: fp16
    compression off/on and Horovod's cycle time (0.2, 1 = default, 5 ms); the fusion
    threshold stays at Horovod's 128 MB, which holds the whole model, so every step's
    gradients travel as one fused buffer. The setting with the shortest training time for
    one pass wins (tune.json) and is used on every link.
-2. Per link and seed s (train.seed = 42 + i): dpsgd (tuned) and parle on the same preset
-   (configs/fashion_parle.yaml, --passes passes, milestones at 0.6 and 0.85 of them,
-   evaluated every 0.5 pass). The target is that seed's dpsgd final test accuracy; the time
-   to reach it is the training wall time at the first evaluation at or above it, with the
-   time spent evaluating left out (train/eval_seconds), so that evaluating more often per
-   second does not count against dpsgd. Parle's ratio = its time / dpsgd's time, per seed.
+2. Per link and seed s (train.seed = 42 + i): dpsgd (tuned) for --passes passes and parle
+   for --parle-passes (default twice as many), each on the preset (configs/fashion_parle.yaml)
+   with its schedule scaled to its own budget (lr x0.2 at 0.6 and 0.85 of it), evaluated
+   every 0.5 pass. The target is that seed's dpsgd final test accuracy; the time to reach it
+   is the training wall time at the first evaluation at or above it, with the time spent
+   evaluating left out (train/eval_seconds), so that evaluating more often per second does
+   not count against dpsgd. Parle's ratio = its time / dpsgd's time, per seed. Parle gets
+   the longer budget because at equal passes its final accuracy is often just below
+   dpsgd's (measured: 4 passes, seed 42, 88.90 % against 89.32 %), which would make "time to
+   dpsgd's accuracy" undefined rather than measured; the longer budget is only a ceiling,
+   the clock stops at the first evaluation that reaches the target.
 
 Resumable: a run with a summary.json is reused. Writes OUT/rq1.json and prints
 ``name: value`` lines. Needs root (network namespaces) for the throttled links.
@@ -105,7 +110,10 @@ def tune(out: Path, link: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/rq1_speed.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--passes", type=float, default=5)
+    ap.add_argument("--passes", type=float, default=4, help="dpsgd's budget")
+    ap.add_argument("--parle-passes", type=float, default=0, help="parle's budget (0 = twice --passes)")
+    ap.add_argument("--parle-init", default="independent", choices=("independent", "broadcast"),
+                    help="parle.init (scripts/select_init.py chooses it on the validation split)")
     ap.add_argument("--links", default="loopback,100mbit,10mbit")
     ap.add_argument("--out", default="reports/rq1")
     a = ap.parse_args(argv)
@@ -115,24 +123,31 @@ def main(argv=None) -> int:
     t = tune(out, links[-1])
     emit("rq1_dpsgd_setting", f"{t['best']} (fp16={t['fp16']}, cycle {t['cycle_ms']} ms, fusion 128 MB)")
     dp = [f"dpsgd.fp16={str(t['fp16']).lower()}"]
-    result = {"passes": a.passes, "config": CONFIG, "tuning": t, "links": {}}
+    pp = a.parle_passes or 2 * a.passes
+    result = {"passes": a.passes, "parle_passes": pp, "parle_init": a.parle_init, "config": CONFIG, "tuning": t, "links": {}}
     for link in links:
         rows = {}
         with Link(link) as ln:
             for i in range(a.seeds):
                 seed = 42 + i
-                common = ["--config", CONFIG, *budget(a.passes), f"train.seed={seed}"]
-                sd = cached_train([*common, "algo=dpsgd", *dp], out / link / f"dpsgd-s{seed}", ln.launcher(t["cycle_ms"]))
-                sp = cached_train([*common, "algo=parle"], out / link / f"parle-s{seed}", ln.launcher(1.0))
+                pdir = out / link / f"parle-p{pp:g}-{a.parle_init}-s{seed}"
+                sd = cached_train(["--config", CONFIG, *budget(a.passes), f"train.seed={seed}", "algo=dpsgd", *dp],
+                                  out / link / f"dpsgd-s{seed}", ln.launcher(t["cycle_ms"]))
+                sp = cached_train(["--config", CONFIG, *budget(pp), f"train.seed={seed}", "algo=parle",
+                                   f"parle.init={a.parle_init}"], pdir,
+                                  ln.launcher(1.0))
                 target = sd["val_accuracy"]
                 dt, dw = train_seconds_to(out / link / f"dpsgd-s{seed}", target)
-                pt, pw = train_seconds_to(out / link / f"parle-s{seed}", target)
+                pt, pw = train_seconds_to(pdir, target)
                 rows[seed] = {"target": target, "dpsgd_train_seconds": dt, "parle_train_seconds": pt,
                               "dpsgd_wall_to_target": dw, "parle_wall_to_target": pw,
                               "ratio": pt / dt if pt is not None and dt else None,
                               "dpsgd_final": sd["val_accuracy"], "parle_final": sp["val_accuracy"],
                               "dpsgd_wall": sd["wall_seconds"], "parle_wall": sp["wall_seconds"],
-                              "dpsgd_mb": sd["bytes_communicated"] / 1e6, "parle_mb": sp["bytes_communicated"] / 1e6}
+                              "dpsgd_mb": sd["bytes_communicated"] / 1e6, "parle_mb": sp["bytes_communicated"] / 1e6,
+                              "parle_passes_to_target": next((m["train/passes"] for m in metrics(pdir)
+                                                              if m.get("val/accuracy") is not None
+                                                              and m["val/accuracy"] >= target - 1e-12), None)}
                 emit(f"rq1_{link}_s{seed}_ratio", rows[seed]["ratio"] if rows[seed]["ratio"] is not None else "never")
                 (out / "rq1.json").write_text(json.dumps({**result, "links": {**result["links"], link: rows}},
                                                          indent=2))

@@ -54,9 +54,10 @@ def test_page_from_reports(tmp_path):
     (rep / "rq1").mkdir(parents=True)
     row = lambda r: {"target": 0.9, "dpsgd_train_seconds": 100.0, "parle_train_seconds": 100.0 * r, "ratio": r,
                      "dpsgd_wall_to_target": 1, "parle_wall_to_target": 1, "dpsgd_final": 0.9, "parle_final": 0.91,
-                     "dpsgd_wall": 1, "parle_wall": 1, "dpsgd_mb": 100.0, "parle_mb": 4.0}
+                     "dpsgd_wall": 1, "parle_wall": 1, "dpsgd_mb": 100.0, "parle_mb": 4.0,
+                     "parle_passes_to_target": 3.5}
     (rep / "rq1" / "rq1.json").write_text(json.dumps({
-        "passes": 4, "tuning": {"link": "10mbit", "best": "fp16_cycle1", "fp16": True, "cycle_ms": 1.0,
+        "passes": 4, "parle_passes": 8, "tuning": {"link": "10mbit", "best": "fp16_cycle1", "fp16": True, "cycle_ms": 1.0,
                                 "candidates": {"fp16_cycle1": {"train_seconds": 50.0}}},
         "links": {"loopback": {"42": row(1.1), "43": row(1.2), "44": row(1.15)},
                   "10mbit": {"42": row(0.30), "43": row(0.31), "44": row(0.29)}}}))
