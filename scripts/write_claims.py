@@ -185,6 +185,20 @@ def rq2_section(rep_dir: Path, data: dict) -> tuple:
              "preset's settings (docs/algorithms.md). 10 % of each class of the training set is held out as the "
              "validation split; the test set is only reported. Paired differences are over the same seeds; "
              "better / worse when the 95 % interval excludes 0, else no difference.", ""]
+    ch = init_choice(rep_dir)
+    if "valid_error" in ch:
+        ve, d = ch["valid_error"], ch["paired_independent_minus_broadcast"]
+        data["select_init"] = ch
+        lines += [f"Parle's initialisation was chosen first, on the validation split of the small-data regime "
+                  f"(`python scripts/select_init.py`, 3 seeds; rule: {ch['rule']}): final validation error "
+                  f"independent {_fmt(ve['independent']['mean'], ve['independent']['half_width'], 100)} %, "
+                  f"broadcast {_fmt(ve['broadcast']['mean'], ve['broadcast']['half_width'], 100)} % (paired "
+                  f"independent - broadcast {_fmt(d['mean'], d['half_width'], 100)} points, "
+                  f"{d['verdict_for_broadcast']} for broadcast). **Every Parle run on this page (RQ1 to RQ4) uses "
+                  f"parle.init={ch['choice']}**" + (" (every replica starts from rank 0's weights, as local SGD, "
+                  "DiLoCo and dpsgd do; PARLE.md's default is independent initialisations; the same override "
+                  "applies to Elastic-SGD, the other algorithm with an elastic coupling)" if ch["choice"] == "broadcast"
+                  else " (PARLE.md's default)") + ".", ""]
     regime_v, ours = {}, []
     for name, what, key in regimes:
         rep = load_report(rep_dir / name)

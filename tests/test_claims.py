@@ -66,6 +66,13 @@ def test_page_from_reports(tmp_path):
              for a, r0 in (("parle", 0.01), ("sgd", 0.03)) for s, r in zip((42, 43, 44), (r0, r0 * 1.1, r0 * 0.9))]
     (rep / "rq4" / "flatness.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
 
+    (rep / "select_init").mkdir()
+    (rep / "select_init" / "choice.json").write_text(json.dumps({
+        "choice": "broadcast", "rule": "lower mean final validation error over the seeds",
+        "valid_error": {k: {"mean": m, "half_width": 0.004, "n": 3} for k, m in (("independent", 0.13),
+                                                                                 ("broadcast", 0.12))},
+        "paired_independent_minus_broadcast": {"mean": 0.01, "half_width": 0.004, "n": 3,
+                                               "verdict_for_broadcast": "better"}}))
     out, data = tmp_path / "CLAIMS.md", tmp_path / "claims"
     assert wc.main(["--reports", str(rep), "--out", str(out), "--data", str(data)]) == 0
     page = out.read_text()
@@ -81,6 +88,9 @@ def test_page_from_reports(tmp_path):
     assert "rq3_fracthird" not in page or "not measured yet" in page
     assert table["RQ4 flat minima"] == "**confirmed**"
     assert table["RQ5 heterogeneous systems"] == "**not yet measured**"
+    # the initialisation chosen on validation is stated, and every command carries it
+    assert "uses parle.init=broadcast" in page and "--parle-init broadcast" in page
+    assert page.count("parle.init=broadcast") >= 4 and "parle.init=independent" not in page
     # the test error at the best validation step is the first evaluation's (valid error 0.01)
     assert "15.00" in page          # parle's chosen test error: 0.10 + 0.05
     d = json.loads((data / "data.json").read_text())
