@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-3}
-ONLY=${ONLY:-"select rq1 rq2_full rq4 rq3 rq2_small_aug rq2_small"}
+ONLY=${ONLY:-"select rq1 rq2_full rq4 rq2_small rq3 rq2_small_aug"}
 mkdir -p reports
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -40,6 +40,10 @@ if want rq4; then
     step "RQ4 flat minima: flatness of rq2_full's final models"
     "$PY" scripts/flatness_sweep.py reports/rq2_full --algos parle,sgd,dpsgd,localsgd --out reports/rq4/flatness.jsonl
 fi
+if want rq2_small; then
+    step "RQ2 generalization, 6000 images, no augmentation"
+    SEEDS=$SEEDS PY=$PY scripts/rq2_small_sweep.sh parle.init="$INIT"
+fi
 if want rq3; then
     step "RQ3 split data: parle n=3 vs sgd, each replica 1/2 and 1/3 of the data"
     for frac in 0.5 0.3333333333333333; do
@@ -52,10 +56,6 @@ fi
 if want rq2_small_aug; then
     step "RQ2 generalization, 6000 images, with augmentation"
     SEEDS=$SEEDS PY=$PY AUGMENT=true scripts/rq2_small_sweep.sh parle.init="$INIT"
-fi
-if want rq2_small; then
-    step "RQ2 generalization, 6000 images, no augmentation"
-    SEEDS=$SEEDS PY=$PY scripts/rq2_small_sweep.sh parle.init="$INIT"
 fi
 step "writing docs/CLAIMS.md"
 "$PY" scripts/write_claims.py --reports reports --out docs/CLAIMS.md

@@ -390,6 +390,11 @@ def main(argv=None) -> int:
             "| claim | the paper's words | our experiment | our numbers | the paper's number | verdict |",
             "|---|---|---|---|---|---|"]
     text += [f"| {a} | {b} | {c} | {d} | {e} | **{f}** |" for a, b, c, d, e, f in rows]
+    notes = Path(a.data) / "notes.md"         # hand-written reading of the figures, kept apart from them
+    if notes.is_file():
+        text += ["", "## Reading the verdicts", "",
+                 f"(Written by hand after the runs, in [results/claims/notes.md](results/claims/notes.md); every "
+                 f"number below it on this page is generated.)", "", notes.read_text().strip()]
     text += ["", *s1, *s2, *s3, *s4, "## RQ5 heterogeneous systems", "",
              "Not yet measured: issue 13 (overlapped sync, `parle.balance=time`) builds and measures it.", ""]
     Path(a.out).write_text("\n".join(text) + "\n")
