@@ -18,7 +18,7 @@ and between the two network-namespace hosts of tools/netlab.py throttled to 100 
    evaluating left out (train/eval_seconds), so that evaluating more often per second does
    not count against dpsgd. Parle's ratio = its time / dpsgd's time, per seed. Parle gets
    the longer budget because at equal passes its final accuracy is often just below
-   dpsgd's (measured: 4 passes, seed 42, 88.90 % against 89.32 %), which would make "time to
+   dpsgd's (measured: 4 passes, seed 42, independent inits, 88.90 % against 89.32 %), which would make "time to
    dpsgd's accuracy" undefined rather than measured; the longer budget is only a ceiling,
    the clock stops at the first evaluation that reaches the target.
 

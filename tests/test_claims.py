@@ -103,3 +103,8 @@ def test_missing_reports_say_not_measured(tmp_path):
     assert wc.main(["--reports", str(tmp_path / "none"), "--out", str(out), "--data", str(tmp_path / "d")]) == 0
     page = out.read_text()
     assert page.count("**not measured**") == 4 and "not yet measured" in page
+    # a regime with Parle's runs only (its sweep still running) gives no verdict
+    fake_report(tmp_path / "some" / "rq2_small", {"parle": [0.13, 0.14, 0.12]})
+    assert wc.main(["--reports", str(tmp_path / "some"), "--out", str(out), "--data", str(tmp_path / "d")]) == 0
+    page = out.read_text()
+    assert page.count("**not measured**") == 4 and "No baseline measured yet" in page
