@@ -95,11 +95,12 @@ def diff(base: dict, parle: dict) -> tuple:
 
 # --------------------------------------------------------------------------- verdict rules
 def verdict_rq2(verdicts: list) -> str:
-    """Confirmed: Parle better than every baseline; not confirmed: better than none; else mixed."""
+    """Confirmed: Parle better than every baseline; mixed: better than some and worse than
+    none; not confirmed: better than none, or worse than any."""
     if not verdicts:
         return "not measured"
-    better = sum(v == "better" for v in verdicts)
-    return "confirmed" if better == len(verdicts) else "not confirmed" if better == 0 else "mixed"
+    better, worse = sum(v == "better" for v in verdicts), sum(v == "worse" for v in verdicts)
+    return ("confirmed" if better == len(verdicts) else "mixed" if better and not worse else "not confirmed")
 
 
 # --------------------------------------------------------------------------- sections
@@ -185,7 +186,10 @@ def rq2_section(rep_dir: Path, data: dict) -> tuple:
              "LeNet (dropout 0.25), 2 ranks (sgd and entropy: one process), seeds 42-44, each algorithm at the "
              "preset's settings (docs/algorithms.md). 10 % of each class of the training set is held out as the "
              "validation split; the test set is only reported. Paired differences are over the same seeds; "
-             "better / worse when the 95 % interval excludes 0, else no difference.", ""]
+             "better / worse when the 95 % interval excludes 0, else no difference. A regime's verdict: "
+             "confirmed when Parle is better than every baseline, mixed when better than some and worse than "
+             "none, not confirmed when better than none or worse than any. The claim's verdict: confirmed in at "
+             "least one regime, else mixed in at least one, else not confirmed.", ""]
     ch = init_choice(rep_dir)
     if "valid_error" in ch:
         ve, d = ch["valid_error"], ch["paired_independent_minus_broadcast"]

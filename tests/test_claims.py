@@ -35,7 +35,8 @@ def fake_report(d: Path, errors: dict, valid_best_at_first: bool = False) -> Non
 
 def test_verdict_rule_of_a_regime():
     assert wc.verdict_rq2(["better"] * 6) == "confirmed"
-    assert wc.verdict_rq2(["better", "worse", "no difference"]) == "mixed"
+    assert wc.verdict_rq2(["better", "no difference"]) == "mixed"
+    assert wc.verdict_rq2(["better", "worse", "no difference"]) == "not confirmed"     # worse than one
     assert wc.verdict_rq2(["no difference", "worse"]) == "not confirmed"
     assert wc.verdict_rq2([]) == "not measured"
 
