@@ -39,13 +39,18 @@ def metrics(run_dir: Path) -> list:
     return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
+def first_reaching(run_dir: Path, target: float):
+    """The first evaluation (its metrics.jsonl row) at which the reference reached ``target``
+    test accuracy, or None if none did."""
+    return next((m for m in metrics(run_dir) if m.get("val/accuracy") is not None and m["val/accuracy"] >= target),
+                None)
+
+
 def time_to_accuracy(run_dir: Path, target: float):
     """Training wall seconds until the reference first reached ``target`` test accuracy
     (None if it never did), from the evaluations in metrics.jsonl."""
-    for m in metrics(run_dir):
-        if m.get("val/accuracy") is not None and m["val/accuracy"] >= target:
-            return m["train/wall_seconds"]
-    return None
+    m = first_reaching(run_dir, target)
+    return m["train/wall_seconds"] if m else None
 
 
 def tmpdir(prefix: str) -> Path:

@@ -766,7 +766,8 @@ class Trainer:
             msg = {"cfg": self.cfg, "run_dir": str(self.run_dir), "world0": self.world0, "k": self.k,
                    "sched": self.sched, "evals": self.evals, "samples": self.samples, "last_val": self.last_val,
                    "last_valid": self.last_valid,
-                   "spread": self.spread, "wall": self.wall(), "eval_wall": self.eval_wall, "comm": comm.stats().as_dict(), "events": self.events,
+                   "spread": self.spread, "wall": self.wall(), "eval_wall": self.eval_wall,
+                   "comm": comm.stats().as_dict(), "events": self.events,
                    "resumed_from": self.resumed_from, "ref_n": self.ref_n}
         with self.dog.collective("elastic run state", k_new):
             msg = comm.broadcast_object(msg, root=root, name="elastic.run")   # all ranks reach this
@@ -948,7 +949,8 @@ class Trainer:
         summary = {"val_accuracy": self.last_val[0], "val_loss": self.last_val[1],
                    "test_accuracy": self.last_val[0], "test_loss": self.last_val[1],
                    "valid_accuracy": self.last_valid[0], "valid_loss": self.last_valid[1], "wall_seconds": wall,
-                   "eval_seconds": self.eval_wall, "outer_steps": K, "inner_steps": K * L, "sync_period": L, "passes": K * L / self.nb,
+                   "eval_seconds": self.eval_wall, "outer_steps": K, "inner_steps": K * L, "sync_period": L,
+                   "passes": K * L / self.nb,
                    "evaluations": self.evals, "samples_seen": self.samples, "allreduce_calls": cs.allreduce_calls,
                    "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
                    "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,

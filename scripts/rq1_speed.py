@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import VENV_BIN, emit, metrics, train  # noqa: E402
+from bench.common import VENV_BIN, emit, first_reaching, train  # noqa: E402
 
 CONFIG = "configs/fashion_parle.yaml"
 TUNE = {"fp32_cycle1": (False, 1.0), "fp16_cycle1": (True, 1.0), "fp16_cycle0.2": (True, 0.2),
@@ -46,13 +46,13 @@ def budget(passes: float) -> list:
     return [f"train.epochs={passes}", "eval.every=0.5", f"optim.milestones=[{m1},{m2}]", "dist.threads=1"]
 
 
-def train_seconds_to(run_dir: Path, target: float):
-    """(training seconds, wall seconds) at the first evaluation whose test accuracy is at
-    least ``target``; (None, None) if none is."""
-    for m in metrics(run_dir):
-        if m.get("val/accuracy") is not None and m["val/accuracy"] >= target - 1e-12:
-            return m["train/wall_seconds"] - m.get("train/eval_seconds", 0.0), m["train/wall_seconds"]
-    return None, None
+def to_target(run_dir: Path, target: float):
+    """(training seconds, wall seconds, passes) at the first evaluation at or above ``target``
+    test accuracy, evaluation time left out of the first; (None, None, None) if none is."""
+    m = first_reaching(run_dir, target - 1e-12)
+    if m is None:
+        return None, None, None
+    return m["train/wall_seconds"] - m.get("train/eval_seconds", 0.0), m["train/wall_seconds"], m["train/passes"]
 
 
 def cached_train(args: list, run_dir: Path, launcher: list) -> dict:
@@ -137,17 +137,15 @@ def main(argv=None) -> int:
                                    f"parle.init={a.parle_init}"], pdir,
                                   ln.launcher(1.0))
                 target = sd["val_accuracy"]
-                dt, dw = train_seconds_to(out / link / f"dpsgd-s{seed}", target)
-                pt, pw = train_seconds_to(pdir, target)
+                dt, dw, _ = to_target(out / link / f"dpsgd-s{seed}", target)
+                pt, pw, pp_t = to_target(pdir, target)
                 rows[seed] = {"target": target, "dpsgd_train_seconds": dt, "parle_train_seconds": pt,
                               "dpsgd_wall_to_target": dw, "parle_wall_to_target": pw,
                               "ratio": pt / dt if pt is not None and dt else None,
                               "dpsgd_final": sd["val_accuracy"], "parle_final": sp["val_accuracy"],
                               "dpsgd_wall": sd["wall_seconds"], "parle_wall": sp["wall_seconds"],
                               "dpsgd_mb": sd["bytes_communicated"] / 1e6, "parle_mb": sp["bytes_communicated"] / 1e6,
-                              "parle_passes_to_target": next((m["train/passes"] for m in metrics(pdir)
-                                                              if m.get("val/accuracy") is not None
-                                                              and m["val/accuracy"] >= target - 1e-12), None)}
+                              "parle_passes_to_target": pp_t}
                 emit(f"rq1_{link}_s{seed}_ratio", rows[seed]["ratio"] if rows[seed]["ratio"] is not None else "never")
                 (out / "rq1.json").write_text(json.dumps({**result, "links": {**result["links"], link: rows}},
                                                          indent=2))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from parle_hvd.compare import _fmt, load_metrics, mean_ci, paired  # noqa: E402
+from parle_hvd.compare import _fmt, load_metrics, mean_ci, paired, run_figures  # noqa: E402
 
 BASELINES = ("sgd", "dpsgd", "elastic", "entropy", "localsgd", "diloco")
 CMD = {
@@ -66,11 +66,8 @@ def load_report(d: Path) -> dict | None:
         for seed, name in seeds.items():
             rd = d / "runs" / name
             s = json.loads((rd / "summary.json").read_text())
-            evs = [m for m in load_metrics(rd) if m.get("val/error") is not None]
-            chosen = None
-            if evs and all(m.get("valid/error") is not None for m in evs):
-                chosen = min(evs, key=lambda m: (m["valid/error"], m["step"]))["val/error"]
-            out[algo][int(seed)] = {"final": 1 - s["test_accuracy"], "chosen": chosen,
+            f = run_figures(load_metrics(rd), s, target=1.0)      # the step chosen on validation, as compare's
+            out[algo][int(seed)] = {"final": f["final"], "chosen": f["chosen"],
                                     "valid": (1 - s["valid_accuracy"] if math.isfinite(s.get("valid_accuracy", math.nan))
                                               else None),
                                     "spread": s.get("final_replica_distance"), "wall": s["wall_seconds"],

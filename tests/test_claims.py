@@ -22,8 +22,9 @@ def fake_report(d: Path, errors: dict, valid_best_at_first: bool = False) -> Non
             seed = 42 + i
             rd = d / "runs" / f"{algo}-s{seed}-abc"
             rd.mkdir(parents=True)
-            first = {"step": 1, "val/error": e + 0.05, "valid/error": 0.01 if valid_best_at_first else 0.3}
-            last = {"step": 2, "val/error": e, "valid/error": 0.2}
+            first = {"step": 1, "val/error": e + 0.05, "val/accuracy": 0.95 - e, "train/wall_seconds": 5.0,
+                     "valid/error": 0.01 if valid_best_at_first else 0.3}
+            last = {"step": 2, "val/error": e, "val/accuracy": 1 - e, "train/wall_seconds": 10.0, "valid/error": 0.2}
             (rd / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n")
             (rd / "summary.json").write_text(json.dumps({
                 "test_accuracy": 1 - e, "val_accuracy": 1 - e, "valid_accuracy": 0.8, "wall_seconds": 10.0,
