@@ -28,7 +28,7 @@ def fake_report(d: Path, errors: dict, valid_best_at_first: bool = False) -> Non
             (rd / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n")
             (rd / "summary.json").write_text(json.dumps({
                 "test_accuracy": 1 - e, "val_accuracy": 1 - e, "valid_accuracy": 0.8, "wall_seconds": 10.0,
-                "passes": 10.0, "final_replica_distance": 0.1 if algo == "parle" else float("nan")}))
+                "passes": 10.0, "bytes_communicated": 0, "allreduce_calls": 0, "final_replica_distance": 0.1 if algo == "parle" else float("nan")}))
             where[algo][str(seed)] = rd.name
     (d / "runs.json").write_text(json.dumps(where))
     (d / "report.md").write_text("# fake\n")
