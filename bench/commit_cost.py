@@ -1,7 +1,7 @@
 """Cost of an elastic-mode commit against the outer step it follows.
 
 In elastic mode each rank copies its whole state to host memory at the end of every outer
-step (``Trainer._commit``: model, reference, Parle's x, z and two momentum buffers, and
+step (``Membership.commit``: model, reference, Parle's x, z and two momentum buffers, and
 the small rest). This times that copy for each model and, in the same run, one inner
 step (forward, backward, Parle's inner step) at batch 128, and prints the commit's share
 of an outer step of L = 25 inner steps.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench.common import emit
 from parle_hvd.models import build_model
 from parle_hvd.parle import Parle
-from parle_hvd.trainer import _host_copy
+from parle_hvd.membership import host_copy
 
 SHAPES = {"lenet": (1, 28), "allcnn": (3, 32), "resnet18": (3, 32)}
 
@@ -52,8 +52,8 @@ def main(argv=None):
         x, y = torch.randn(bs, c, hw, hw), torch.randint(0, 10, (bs,))
 
         def commit():
-            # what Trainer.state_dict() holds, as Trainer._commit copies it
-            _host_copy({"model": m.state_dict(), "ref": ref.state_dict(), "algo_state": {"parle": opt.state_dict()}})
+            # what Trainer.state_dict() holds, as Membership.commit copies it
+            host_copy({"model": m.state_dict(), "ref": ref.state_dict(), "algo_state": {"parle": opt.state_dict()}})
 
         def inner():
             m.zero_grad(set_to_none=True)

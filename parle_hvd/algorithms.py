@@ -1,5 +1,5 @@
 """The algorithms the trainer can run (``algo=`` in the config), behind one small
-interface. The math lives in parle.py, elastic.py and diloco.py (pure functions, tested
+interface. The math lives in parle.py, easgd.py (Elastic-SGD) and diloco.py (pure functions, tested
 in float64); plain SGD steps use torch.optim.SGD; data-parallel SGD uses Horovod's
 DistributedOptimizer through comm.py. docs/algorithms.md describes each one.
 
@@ -23,7 +23,7 @@ from torch import nn
 from . import comm
 from .diloco import diloco_outer_step_
 from .data import _gen
-from .elastic import elastic_step_
+from .easgd import elastic_step_
 from .parle import Parle
 
 
@@ -144,8 +144,8 @@ class EntropyAlgo(ParleAlgo):
         self.gen.set_state(sd["gen"])
 
 
-class ElasticAlgo(Algorithm):
-    """Elastic-SGD (elastic.py), PARLE.md's form: every step
+class ElasticSGDAlgo(Algorithm):
+    """Elastic-SGD (easgd.py), PARLE.md's form: every step
     x -= lr*(grad + wd x + rk (x - xbar)), the reference re-formed every elastic.sync_period
     steps. No momentum unless elastic.momentum > 0 (then Nesterov or heavy ball as optim.nesterov)."""
     name = "elastic"
@@ -294,7 +294,7 @@ class DPSGDAlgo(SGDAlgo):
             comm.allreduce_mean_(buffers, name="ref.bn")          # all ranks reach this
 
 
-ALGORITHMS = {a.name: a for a in (ParleAlgo, SGDAlgo, DPSGDAlgo, ElasticAlgo, EntropyAlgo, LocalSGDAlgo, DiLoCoAlgo)}
+ALGORITHMS = {a.name: a for a in (ParleAlgo, SGDAlgo, DPSGDAlgo, ElasticSGDAlgo, EntropyAlgo, LocalSGDAlgo, DiLoCoAlgo)}
 
 
 def make_algorithm(name: str, model: nn.Module, cfg, world: int, rank: int) -> Algorithm:

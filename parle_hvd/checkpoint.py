@@ -118,7 +118,7 @@ def complete_steps(root: Path, world: int) -> list[int]:
     """The steps, newest first, for which every rank 0..world-1 has a file (and no rank
     beyond: an elastic run's step written by more ranks is not this world's). A file that
     exists may still be torn (a node lost mid-write on a shared filesystem): the resume
-    checks that each loads (trainer.agree_on_checkpoint)."""
+    checks that each loads (rundir.agree_on_checkpoint)."""
     out = []
     for s in reversed(steps(root)):
         d = step_dir(root, s)

@@ -14,7 +14,7 @@ from parle_hvd.algorithms import make_algorithm
 from parle_hvd.config import make_config
 from parle_hvd.data import _gen
 from parle_hvd.diloco import diloco_outer_step_
-from parle_hvd.elastic import elastic_step_
+from parle_hvd.easgd import elastic_step_
 from parle_hvd.models import sync_tensors
 
 D_IN, D_OUT = 4, 3

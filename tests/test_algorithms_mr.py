@@ -11,7 +11,7 @@ import torch
 from multirank import ROOT, run_ranks
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model, sync_tensors
-from parle_hvd.trainer import SLOT
+from parle_hvd.exchange import SLOT
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [pytest.mark.multirank,

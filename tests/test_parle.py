@@ -305,7 +305,7 @@ def test_trainer_schedule_auto_and_a_number():
     """scoping=auto through the trainer's schedule: both couplings at their caps at
     scoping_end of the run; a number gives exactly PARLE.md's (1 + s/nb)^k."""
     from parle_hvd.config import make_config
-    from parle_hvd.trainer import outer_schedule
+    from parle_hvd.exchange import outer_schedule
     nb, L, epochs = 468, 25, 20.0
     cfg = make_config(None, ["parle.scoping=auto", "parle.scoping_end=0.5"])
     k_end = 0.5 * epochs * nb / L                          # 187.2 outer steps

@@ -10,7 +10,8 @@ import torch
 from parle_hvd.config import make_config
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model
-from parle_hvd.trainer import outer_schedule, train
+from parle_hvd.exchange import outer_schedule
+from parle_hvd.trainer import train
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")
@@ -163,7 +164,7 @@ def test_recompute_bn_is_the_cumulative_mean_and_variance_of_the_chosen_batches(
     from types import SimpleNamespace
     from torch import nn
     from parle_hvd.data import _gen
-    from parle_hvd.trainer import recompute_bn
+    from parle_hvd.evaluation import recompute_bn
     g = torch.Generator().manual_seed(0)
     ds = SimpleNamespace(train_x=torch.randint(0, 256, (200, 2, 5, 5), generator=g, dtype=torch.uint8),
                          mean=(0.4, 0.5), std=(0.2, 0.3))

@@ -5,7 +5,7 @@ import torch
 
 from _rank import report
 from parle_hvd import comm
-from parle_hvd.trainer import Exchange, sync
+from parle_hvd.exchange import Exchange, sync
 
 comm.init()
 r, n = comm.rank(), comm.size()

@@ -1,0 +1,69 @@
+"""Evaluating the reference: BatchNorm statistics re-estimated, then test (and
+validation) loss and accuracy, sharded across ranks and summed in one allreduce."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .data import _gen, to_input
+
+@torch.no_grad()
+def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype,
+                 dev: torch.device) -> None:
+    """Re-estimate the reference's BatchNorm statistics on ``batches`` training batches.
+    Every rank uses the same batches (a shuffle seeded by seed and step), so the ranks'
+    references stay identical without a collective."""
+    bns = [m for m in ref.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns or batches == 0:
+        return
+    saved = [(m, m.momentum) for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None            # cumulative average over the batches
+    ref.train()
+    for m in ref.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()                 # no dropout, and no draw from the training RNG
+    perm = torch.randperm(len(ds.train_x), generator=_gen("bn", seed, step))
+    for i in range(min(batches, len(perm) // batch_size or 1)):
+        idx = perm[i * batch_size:(i + 1) * batch_size]
+        ref(to_input(ds.train_x[idx].to(dev), ds.mean, ds.std, dtype))
+    for m, mom in saved:
+        m.momentum = mom
+    ref.eval()
+
+
+@torch.no_grad()
+def _shard_sums(ref: nn.Module, x_all, y_all, ds, rank: int, world: int, batch_size: int, dtype, dev) -> list:
+    """[correct, summed loss, count] of the reference on this rank's shard of (x_all, y_all)."""
+    n = len(x_all)
+    lo, hi = (rank * n) // world, ((rank + 1) * n) // world
+    correct = loss = 0.0
+    for i in range(lo, hi, batch_size):
+        x = to_input(x_all[i:min(i + batch_size, hi)].to(dev), ds.mean, ds.std, dtype)
+        y = y_all[i:min(i + batch_size, hi)].to(dev)
+        out = ref(x)
+        loss += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += float((out.argmax(1) == y).sum())
+    return [correct, loss, float(hi - lo)]
+
+
+@torch.no_grad()
+def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list):
+    """Test loss and accuracy of the reference (and, with a validation split, its
+    validation loss and accuracy), each set sharded across ranks and the sums allreduced in
+    float64 together with ``extra`` slot rows: one allreduce. All ranks reach this.
+    Returns (test acc, test loss, rows, (valid acc, valid loss) or None)."""
+    ref.eval()
+    parts = _shard_sums(ref, ds.test_x, ds.test_y, ds, rank, world, batch_size, dtype, dev)
+    if ds.val_x is not None:
+        parts += _shard_sums(ref, ds.val_x, ds.val_y, ds, rank, world, batch_size, dtype, dev)
+    sums = torch.tensor(parts, dtype=torch.float64)
+    rows = torch.zeros(world, len(extra), dtype=torch.float64)
+    rows[rank] = torch.tensor(extra, dtype=torch.float64)
+    comm.allreduce_sum_([sums, rows], name="eval")   # all ranks reach this
+    v = sums.tolist()
+    valid = (v[3] / v[5], v[4] / v[5]) if len(v) > 3 else None
+    return v[0] / v[2], v[1] / v[2], rows, valid
