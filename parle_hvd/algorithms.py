@@ -10,6 +10,8 @@ The trainer drives every algorithm the same way::
         L times: forward, backward, algo.inner_step(gk=, rk=, lr=, xbar=)
         algo.end_outer(xbar, rk=, lr=)
         if algo.syncs: one fused allreduce forms the reference; algo.after_sync(model_t, ref_t)
+                       (with parle.overlap, for algorithms that ``overlaps``: started here and
+                       waited for just before the next end_outer)
     before an evaluation: algo.form_reference(model_t, ref_t)   (algorithms without syncs)
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Algorithm:
     shard_data = False       # each rank a disjoint shard (data-parallel), not its own replica's data
     couplings = ()           # which of gamma/rho the algorithm uses (for logging)
     ref_is_mean = False      # the reference is the replicas' mean (elastic mode re-forms it when one is lost)
+    overlaps = False         # the inner loop does not read the reference (parle.overlap, parle.balance apply)
 
     def __init__(self, model: nn.Module, cfg, world: int, rank: int):
         self.model, self.cfg, self.world, self.rank = model, cfg, world, rank
@@ -51,6 +54,10 @@ class Algorithm:
 
     def after_sync(self, model_t: list, ref_t: list) -> None:
         pass
+
+    def anchor(self) -> list:
+        """The replica's weights x[a] as last sent to the sync (for ``||x[a] - xbar||``)."""
+        return self.params
 
     def form_reference(self, model_t: list, ref_t: list) -> None:
         """Algorithms without syncs: make ``ref_t`` the model to evaluate. All ranks reach this."""
@@ -90,6 +97,7 @@ class ParleAlgo(Algorithm):
     name = "parle"
     couplings = ("gamma", "rho")
     ref_is_mean = True
+    overlaps = True
 
     def __init__(self, model, cfg, world, rank):
         super().__init__(model, cfg, world, rank)
@@ -109,6 +117,9 @@ class ParleAlgo(Algorithm):
 
     def end_outer(self, xbar, *, rk, lr):
         self.opt.outer_step(xbar, rho_inv=rk, lr=lr)
+
+    def anchor(self):
+        return self.opt.x          # x[a] during the inner loop too (the params then hold y)
 
     def state_dict(self):
         return {"parle": self.opt.state_dict()}

@@ -12,7 +12,8 @@ collective returns its input untouched (and counts nothing: nothing was sent). U
 
 Wire formats:
 * ``fused_allreduce_`` packs every tensor into ONE flat buffer and issues ONE
-  ``hvd.allreduce`` (op Sum), then divides the "mean" part by the world size, so the
+  ``hvd.allreduce`` (op Sum; ``fused_allreduce_start`` the same, asynchronous, waited on
+  later through the ``Pending`` it returns), then divides the "mean" part by the world size, so the
   result is the exact mean of the ranks' values (one rounding, like a single division).
   The buffer's dtype is the promotion of the inputs' dtypes, at least float32 (bfloat16
   and float16 are averaged in float32, which is exact for them and avoids depending on
@@ -147,34 +148,70 @@ def _wire_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     return dt
 
 
-def fused_allreduce_(means: Sequence[torch.Tensor] = (), sums: Sequence[torch.Tensor] = (),
-                     *, name: str = "fused") -> None:
-    """In place: every tensor in ``means`` becomes the mean over ranks, every tensor in
-    ``sums`` the sum over ranks, through one flat buffer and one allreduce.
+class Pending:
+    """A fused allreduce in flight (``fused_allreduce_start``); ``wait()`` completes it."""
 
-    All ranks reach this with the same shapes, dtypes and order, or the job hangs.
-    """
-    tensors = list(means) + list(sums)
-    if not tensors or not _active():
-        return
+    def __init__(self, flat: torch.Tensor, handle, means: list, sums: list, n_mean: int):
+        self.flat, self.handle, self.means, self.sums, self.n_mean = flat, handle, means, sums, n_mean
+        self.done = False
+
+    def wait(self) -> None:
+        """Block until the allreduce is complete, then write the result into the tensors
+        the call named (means, then sums). Once; a second call does nothing."""
+        if self.done:
+            return
+        flat = self.flat
+        if self.handle is not None:
+            flat = _hvd.synchronize(self.handle)       # the same call on every rank: the one started
+            if self.n_mean:
+                flat[:self.n_mean].div_(_hvd.size())
+        off = 0
+        for t in self.means + self.sums:
+            seg = flat[off:off + t.numel()].view_as(t)
+            if not t.is_floating_point():
+                seg = seg.round()
+            with torch.no_grad():
+                t.copy_(seg)
+            off += t.numel()
+        self.done = True
+
+
+def fused_allreduce_start(means: Sequence[torch.Tensor] = (), sums: Sequence[torch.Tensor] = (), *,
+                          name: str = "fused", out_means: Sequence[torch.Tensor] | None = None) -> Pending:
+    """Start ONE allreduce of every tensor in ``means`` (to be averaged) and ``sums`` (to be
+    summed), through one flat buffer, and return at once. The tensors' values are copied
+    into the buffer now, so the caller may change them while the allreduce runs (in
+    Horovod's background thread); ``Pending.wait()`` writes the result into ``out_means``
+    (default: ``means``) and ``sums``. All ranks reach this with the same shapes, dtypes and
+    order, and each waits for it before its next collective of the same name, or the job hangs."""
+    means, sums = list(means), list(sums)
+    outs = list(out_means) if out_means is not None else means
+    tensors = means + sums
+    if not tensors:
+        return Pending(torch.zeros(0), None, [], [], 0)
     device = tensors[0].device
     wire = _wire_dtype(tensors)
     n_mean = sum(t.numel() for t in means)
     flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=wire) for t in tensors])
-    # all ranks reach this
-    flat = _hvd.allreduce(flat, op=_hvd.Sum, name=f"parle_hvd.{name}")
+    if not _active():
+        return Pending(flat, None, outs, sums, n_mean)
+    handle = _hvd.allreduce_async(flat, op=_hvd.Sum, name=f"parle_hvd.{name}")   # all ranks reach this
     _stats.allreduce_calls += 1
     _stats.allreduce_bytes += flat.numel() * flat.element_size()
-    if n_mean:
-        flat[:n_mean].div_(_hvd.size())
-    off = 0
-    for t in tensors:
-        seg = flat[off:off + t.numel()].view_as(t)
-        if not t.is_floating_point():
-            seg = seg.round()
-        with torch.no_grad():
-            t.copy_(seg)
-        off += t.numel()
+    return Pending(flat, handle, outs, sums, n_mean)
+
+
+def fused_allreduce_(means: Sequence[torch.Tensor] = (), sums: Sequence[torch.Tensor] = (),
+                     *, name: str = "fused") -> None:
+    """In place: every tensor in ``means`` becomes the mean over ranks, every tensor in
+    ``sums`` the sum over ranks, through one flat buffer and one allreduce (the blocking
+    form of ``fused_allreduce_start``). At world size 1, nothing changes.
+
+    All ranks reach this with the same shapes, dtypes and order, or the job hangs.
+    """
+    if not _active():
+        return
+    fused_allreduce_start(means, sums, name=name).wait()   # all ranks reach this
 
 
 def allreduce_mean_(tensors: Sequence[torch.Tensor], *, name: str = "mean") -> None:

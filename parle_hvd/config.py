@@ -88,6 +88,10 @@ class ParleConfig:
                             "reach their caps")
     init: str = _f("independent", "replica initialisation: independent (seed + rank) or "
                    "broadcast (rank 0's weights)", ["independent", "broadcast"])
+    overlap: bool = _f(False, "algo=parle: start each outer step's sync without waiting for it; the next "
+                       "inner loop runs while it travels and the pull waits for it (docs/algorithm.md)")
+    balance: str = _f("off", "algo=parle: time = rank 0 gives each replica a number of inner steps in "
+                      "proportion to its measured speed, n*L in all (replicas of unequal speed)", ["off", "time"])
 
     def __post_init__(self):
         _check(self.sync_period >= 1, "parle.sync_period", f"must be >= 1, got {self.sync_period}")
@@ -261,6 +265,10 @@ class Config:
                    f"needs an algorithm with a reference ({', '.join(ELASTIC_ALGOS)}), not algo={self.algo}")
             _check(self.dist.expect_ranks == 0, "dist.expect_ranks",
                    "must be 0 with dist.elastic (the number of ranks changes)")
+            _check(not (self.algo == "parle" and self.parle.overlap), "parle.overlap",
+                   "not supported with dist.elastic (a sync in flight cannot survive a change of the world)")
+            _check(not (self.algo == "parle" and self.parle.balance != "off"), "parle.balance",
+                   "not supported with dist.elastic (the assignment is per rank, and ranks come and go)")
 
 
 # Elastic mode keeps each replica's own state across membership changes and hands a

@@ -2,67 +2,93 @@
 
 The sync is ONE fused allreduce carrying, in one flat buffer:
   * the replica's parameters and BatchNorm buffers (averaged: the reference);
-  * rank 0's schedule values for the next outer step (gk, rk, lr_k; other ranks send 0,
-    so the sum is rank 0's value: a broadcast folded into the allreduce);
+  * rank 0's plans for the next two outer steps (gk, rk, lr_k, and every replica's number
+    of inner steps; other ranks send 0, so the sum is rank 0's value: a broadcast folded
+    into the allreduce);
   * one slot row per replica (only that replica's row is non-zero, so the sum gathers
-    every replica's training loss, its distance to the reference and its flags).
+    every replica's training loss, its distance to the reference, its flags and its speed).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
-from torch import nn
 
 from . import comm
 from .parle import lr_at, scoping, scoping_auto
 
-# one row per replica in every sync; "ckpt": this rank could not write its last checkpoint
-SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop", "hosts", "ckpt")
-SCHED = ("gk", "rk", "lr")                               # rank 0's values for the next step
+# one row per replica in every sync; "ckpt": this rank could not write its last checkpoint;
+# "step_seconds": its seconds per inner step in this outer step's inner loop (parle.balance)
+SLOT = ("loss", "loss_max", "distance", "nonfinite", "stop", "hosts", "ckpt", "step_seconds")
+SCHED = ("gk", "rk", "lr")                               # rank 0's values for an outer step
 
+
+class Plan(NamedTuple):
+    """Rank 0's plan for one outer step: the couplings, the learning rate, and every
+    replica's number of inner steps (``L`` each, unless ``parle.balance=time``)."""
+    gk: float
+    rk: float
+    lr: float
+    steps: tuple
 
 
 class Exchange:
     """Packs what rides along with the reference allreduce (see the module docstring).
 
-    The buffer has the model's dtype. Rank 0's schedule values are sent as two numbers
-    each, ``hi = v`` rounded to that dtype and ``lo = v - hi``, so that ``hi + lo`` gives
-    every rank (rank 0 included) the same value, within 1e-14 of rank 0's float64 one
-    even in a float32 buffer."""
+    Rank 0 sends the plans of the NEXT TWO outer steps: a blocking sync uses the first, an
+    overlapped one (``parle.overlap``, still in flight when the next step begins) the
+    second, which the sync before it delivered. The buffer has the model's dtype; every
+    plan value is sent as two numbers, ``hi = v`` rounded to that dtype and ``lo = v - hi``,
+    so that ``hi + lo`` gives every rank (rank 0 included) the same value, within 1e-14 of
+    rank 0's float64 one even in a float32 buffer (step counts are exact)."""
+
+    AHEAD = 2
 
     def __init__(self, world: int, rank: int, dtype: torch.dtype):
         self.world, self.rank, self.dtype = world, rank, dtype
-        self.n_sched = 2 * len(SCHED)
+        self.per_plan = len(SCHED) + world
+        self.n_sched = 2 * self.AHEAD * self.per_plan
         self.buf = torch.zeros(self.n_sched + world * len(SLOT), dtype=dtype)
 
-    def pack(self, sched: Optional[tuple], slot: dict) -> torch.Tensor:
+    def pack(self, plans: Optional[Sequence[Plan]], slot: dict) -> torch.Tensor:
         self.buf.zero_()
+        m = self.n_sched // 2
         if self.rank == 0:
-            v = torch.tensor(sched, dtype=torch.float64)
+            v = torch.tensor([x for p in plans for x in (p.gk, p.rk, p.lr, *p.steps)], dtype=torch.float64)
+            if v.numel() != m:
+                raise ValueError(f"Exchange.pack: {len(plans)} plans of {len(plans[0].steps)} replicas; "
+                                 f"want {self.AHEAD} of {self.world}")
             hi = v.to(self.dtype)
-            self.buf[:len(SCHED)] = hi
-            self.buf[len(SCHED):self.n_sched] = (v - hi.double()).to(self.dtype)
+            self.buf[:m] = hi
+            self.buf[m:2 * m] = (v - hi.double()).to(self.dtype)
         off = self.n_sched + self.rank * len(SLOT)
         self.buf[off:off + len(SLOT)] = torch.tensor([float(slot[k]) for k in SLOT], dtype=torch.float64)
         return self.buf
 
-    def unpack(self) -> tuple[tuple, torch.Tensor]:
+    def unpack(self) -> tuple[list, torch.Tensor]:
+        """``([plan of step k+1, plan of step k+2], every replica's slot row)``."""
         b = self.buf.double()
-        sched = tuple(float(h + l) for h, l in zip(b[:len(SCHED)], b[len(SCHED):self.n_sched]))
+        m, pp = self.n_sched // 2, self.per_plan
+        v = (b[:m] + b[m:2 * m]).tolist()
+        plans = [Plan(v[i * pp], v[i * pp + 1], v[i * pp + 2], tuple(int(round(x)) for x in v[i * pp + 3:(i + 1) * pp]))
+                 for i in range(self.AHEAD)]
         rows = b[self.n_sched:].view(self.world, len(SLOT))
-        return sched, rows
+        return plans, rows
 
 
-def sync(model_t: list, ref_t: list, ex: Exchange, sched: Optional[tuple], slot: dict):
-    """Form the reference in ``ref_t`` from every replica's ``model_t`` and exchange the
-    schedule and the slots: one allreduce. All ranks reach this, once per outer step."""
-    with torch.no_grad():
-        for r, m in zip(ref_t, model_t):
-            r.copy_(m)
-    ctrl = ex.pack(sched, slot)
-    comm.fused_allreduce_(means=ref_t, sums=[ctrl], name="sync")   # all ranks reach this
+def sync_start(model_t: list, ref_t: list, ex: Exchange, plans: Optional[Sequence[Plan]], slot: dict) -> comm.Pending:
+    """Start the sync: one allreduce forms the reference (into ``ref_t``, at ``wait()``) from
+    every replica's ``model_t`` (copied now: the replica may go on training) and exchanges
+    rank 0's plans and every replica's slot. ``ex.unpack()`` reads them after the wait.
+    All ranks reach this, once per outer step."""
+    ctrl = ex.pack(plans, slot)
+    return comm.fused_allreduce_start(means=model_t, sums=[ctrl], out_means=ref_t, name="sync")   # all ranks reach this
+
+
+def sync(model_t: list, ref_t: list, ex: Exchange, plans: Optional[Sequence[Plan]], slot: dict):
+    """The blocking sync: ``sync_start`` then wait. Returns ``(plans, rows)``. All ranks reach this."""
+    sync_start(model_t, ref_t, ex, plans, slot).wait()          # all ranks reach this
     return ex.unpack()
 
 
@@ -76,9 +102,10 @@ def exchange_slots(slot: dict, rank: int, world: int) -> torch.Tensor:
     return rows
 
 
-def replica_distance(model: nn.Module, ref: nn.Module) -> float:
+def replica_distance(xs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> float:
+    """``||x[a] - xbar||`` over the trained tensors (the replica's anchor and the reference's parameters)."""
     with torch.no_grad():
-        s = sum(float((p.double() - q.double()).pow(2).sum()) for p, q in zip(model.parameters(), ref.parameters()))
+        s = sum(float((p.double() - q.double()).pow(2).sum()) for p, q in zip(xs, refs))
     return math.sqrt(s)
 
 

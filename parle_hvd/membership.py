@@ -99,6 +99,7 @@ class Membership:
             return
         t.ex = Exchange(t.world, t.rank, t.dtype)
         t.algo.world, t.algo.rank = t.world, t.rank
+        t.resize_plans()
         t.open_log(t.k)
         why = "a rank failed; back to the last commit" if self.restored else "hosts changed"
         t.log.info(f"elastic: {why}: {old} -> {t.world} rank(s) after outer step {t.k}")
@@ -127,7 +128,7 @@ class Membership:
                 r_.div_(n)
         t.ref_n = n
         if mine:
-            t.dist_prev = replica_distance(t.model, t.ref)
+            t.dist_prev = replica_distance(t.algo.anchor(), t.ref_params)
         if t.log is not None:
             t.log.info(f"elastic: the reference re-formed from the {n} remaining replica(s) at outer step {t.k}")
         if dump:
@@ -184,7 +185,7 @@ class Membership:
                     m.copy_(r)                      # the new replica starts at the current reference
             t.load_run_state(msg)
             t.t_start = time.monotonic()
-            t.dist_prev = replica_distance(t.model, t.ref)
+            t.dist_prev = replica_distance(t.algo.anchor(), t.ref_params)
             comm.load_stats(msg["comm"])
             self.events = list(msg["events"])
             print(f"[rank {rank}] elastic: joined at outer step {t.k} as replica {t.replica_id}, "

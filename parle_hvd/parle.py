@@ -59,8 +59,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "coupling", "scoping", "coupling_auto", "scoping_auto", "lr_at", "parle_inner_step_", "z_average_", "parle_outer_step_",
-    "Parle",
+    "coupling", "scoping", "coupling_auto", "scoping_auto", "lr_at", "balance_steps", "parle_inner_step_", "z_average_",
+    "parle_outer_step_", "Parle",
 ]
 
 
@@ -119,6 +119,35 @@ def lr_at(passes: float, *, lr: float, schedule: str, milestones: Sequence[float
     if warmup_passes > 0 and passes < warmup_passes:
         v *= passes / warmup_passes
     return v
+
+
+def balance_steps(seconds_per_step: Sequence[float], *, total: int) -> list[int]:
+    """``parle.balance=time``: each replica's number of inner steps ``L_a`` for an outer
+    step, so that all finish their inner loops at about the same time.
+
+    ``L_a`` is proportional to the replica's speed ``1 / seconds_per_step[a]``, rounded by
+    largest remainder so that ``sum(L_a) == total`` (``n * L``) exactly, and every ``L_a >= 1``
+    (a replica below that share gets 1, taken from the fastest). A replica not yet measured
+    (a time <= 0 or not finite) counts at the mean speed of the others, all of them at 1."""
+    n = len(seconds_per_step)
+    if n == 0 or total < n:
+        raise ValueError(f"balance_steps: total={total} must be >= the number of replicas {n} >= 1")
+    known = [1.0 / s for s in seconds_per_step if s > 0 and math.isfinite(s)]
+    mean = sum(known) / len(known) if known else 1.0
+    speed = [1.0 / s if s > 0 and math.isfinite(s) else mean for s in seconds_per_step]
+    share = [total * v / sum(speed) for v in speed]
+    steps = [max(1, int(math.floor(x))) for x in share]
+    # hand out what rounding left over, largest fractional part first; take any excess
+    # (from replicas raised to 1) from the replicas with the most steps
+    order = sorted(range(n), key=lambda a: (-(share[a] - math.floor(share[a])), a))
+    i = 0
+    while sum(steps) < total:
+        steps[order[i % n]] += 1
+        i += 1
+    while sum(steps) > total:
+        a = max(range(n), key=lambda b: (steps[b], -b))
+        steps[a] -= 1
+    return steps
 
 
 # --------------------------------------------------------------------------- the update

@@ -13,6 +13,15 @@ evaluation.py's; elastic membership is membership.py's.
 A run of K outer steps with E evaluations makes exactly K + 1 + E allreduces (the +1 forms
 the first reference from the independently initialised replicas; an evaluation is one
 allreduce of float64 sums).
+
+With ``parle.overlap`` the sync of step k is started, not waited for: step k+1's inner
+loop runs while it travels, and the wait comes just before step k+1's outer update, the
+first use of the reference. The update is PARLE.md's exactly (its xbar is formed at the
+start of the outer step and first used at its end); what comes one step later is the
+reading of the slot rows (a stop or a divergence is acted on after step k+1). A step that
+evaluates, checkpoints or ends the run waits for its own sync at once ("drains"), so the
+reference evaluated and saved, and a resume, are exactly those of the blocking loop.
+docs/algorithm.md, "Overlapped sync" and "Balanced inner steps".
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -36,7 +46,8 @@ from .checkpoint import CheckpointError
 from .config import Config, to_dict
 from .data import ReplicaSampler, augment_batch, common_nb, hold_out, load_dataset, replica_indices, to_input, _gen
 from .evaluation import evaluate, recompute_bn
-from .exchange import SLOT, Exchange, exchange_slots, outer_schedule, replica_distance, sync
+from .exchange import SLOT, Exchange, Plan, exchange_slots, outer_schedule, replica_distance, sync, sync_start
+from .parle import balance_steps
 from .logger import RunLogger
 from .membership import Membership
 from .models import build_model, sync_tensors
@@ -55,6 +66,26 @@ def _injected(hook: str, rank: int, step: int) -> bool:
     PARLE_HVD_INJECT_NAN poisons that replica's weights after that outer step's inner loop;
     PARLE_HVD_INJECT_STOP acts as if a SIGTERM reached that rank during that outer step."""
     return os.environ.get(hook, "") == f"{rank}:{step}"
+
+
+def _fake_step_seconds(rank: int) -> Optional[float]:
+    """Testing hook (tests/test_overlap.py): PARLE_HVD_FAKE_STEP_SECONDS="s0,s1,..." reports
+    rank r's seconds per inner step as s_r, so that parle.balance's assignments are
+    deterministic and a resumed run can be compared with an uninterrupted one."""
+    v = os.environ.get("PARLE_HVD_FAKE_STEP_SECONDS")
+    return float(v.split(",")[rank]) if v else None
+
+
+@dataclass
+class InFlight:
+    """The sync of outer step ``step``: started (``pending``; None for algorithms without a
+    sync, whose slot rows are already in ``rows``), not yet read."""
+    step: int
+    plan: Plan
+    t_start: float              # when the step began
+    t_sent: float               # when its sync was started
+    pending: Optional[comm.Pending] = None
+    rows: Optional[torch.Tensor] = None
 
 
 def pick_device(want: str) -> torch.device:
@@ -164,11 +195,19 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
 
         self.schedule = lambda k: outer_schedule(k, L=L, nb=nb, parle=P, optim=O, epochs=cfg.train.epochs)
+        # overlap and balance are Parle's: its inner loop does not read the reference
+        self.overlap = P.overlap and algo_cls.overlaps
+        self.balance = P.balance == "time" and algo_cls.overlaps and world > 1
 
         # State carried across outer steps (and checkpoints).
         self.k, self.wall_before, self.evals, self.samples, self.dist_prev = 0, 0.0, 0, 0, 0.0
         self.eval_wall = 0.0         # seconds spent evaluating (in wall()): time to accuracy can leave it out
-        self.sched = None
+        self.plans: dict = {}        # outer step -> Plan, as received from rank 0 (or computed here without a sync)
+        self.speeds = [0.0] * world  # every replica's seconds per inner step, smoothed (parle.balance)
+        self.inflight: Optional[InFlight] = None
+        self.last_rows = torch.zeros(world, len(SLOT), dtype=torch.float64)   # the newest slot rows received
+        self.last_loss = float("nan")
+        self.overlapped_syncs = 0    # syncs waited for only in the next outer step (parle.overlap)
         self.ref_n = world           # how many replicas the current reference averages
         self.last_val = (float("nan"), float("nan"))       # test accuracy and loss at the last evaluation
         self.last_valid = (float("nan"), float("nan"))     # the same on the validation split (data.val_frac)
@@ -180,6 +219,7 @@ class Trainer:
         return {"config": to_dict(cfg), "versions": versions(), "git_sha": git_sha(), "world_size": self.world,
                 "device": str(self.dev), "algo": cfg.algo, "elastic": cfg.dist.elastic,
                 "controller": comm.controller(), "outer_steps": self.K, "inner_steps_per_outer": self.L,
+                "overlap": self.overlap, "balance": "time" if self.balance else "off",
                 "batches_per_pass": self.nb, "params": self.n_params, "resumed_from": self.resumed_from}
 
     def open_log(self, start_step: int) -> None:
@@ -265,14 +305,15 @@ class Trainer:
             if self.member is not None and self.ckpt_world > world and self.algo.ref_is_mean:
                 self.member.reform_reference([True] * world)   # all ranks reach this: the dropped replicas leave the mean
         elif self.algo.syncs:
-            # The first reference, and rank 0's schedule for step 1. All ranks reach this.
+            # The first reference, and rank 0's plans for steps 1 and 2. All ranks reach this.
             with self.dog.collective("first sync", 0):
-                self.sched, _ = sync(self.model_t, self.ref_t, self.ex, self.schedule(1) if rank == 0 else None,
-                                     {c: 0 for c in SLOT})
-            self.dist_prev = replica_distance(self.model, self.ref)
+                plans, _ = sync(self.model_t, self.ref_t, self.ex, self._plans_after(0) if rank == 0 else None,
+                                {c: 0 for c in SLOT})
+            self.plans = {1 + i: p for i, p in enumerate(plans)}
+            self.dist_prev = replica_distance(self.algo.anchor(), self.ref_params)
             self.algo.after_sync(self.model_t, self.ref_t)
         else:
-            self.sched = self.schedule(1)
+            self.plans = {1: self._plan(1)}
         self.t_start = time.monotonic()
         return True
 
@@ -282,14 +323,15 @@ class Trainer:
 
     def run_state(self) -> dict:
         """The loop's counters, sent to a replica that joins (elastic mode)."""
-        return {"k": self.k, "sched": self.sched, "evals": self.evals, "samples": self.samples,
+        return {"k": self.k, "plans": self._plans_state(), "evals": self.evals, "samples": self.samples,
                 "last_val": self.last_val, "last_valid": self.last_valid, "spread": self.spread,
                 "wall": self.wall(), "eval_wall": self.eval_wall, "resumed_from": self.resumed_from,
                 "ref_n": self.ref_n}
 
     def load_run_state(self, st: dict) -> None:
         """The counters ``run_state`` gave; the wall clock goes on from ``st["wall"]``."""
-        self.k, self.sched, self.evals, self.samples = st["k"], tuple(st["sched"]), st["evals"], st["samples"]
+        self.k, self.evals, self.samples = st["k"], st["evals"], st["samples"]
+        self._load_plans(st["plans"])
         self.last_val, self.last_valid, self.spread = tuple(st["last_val"]), tuple(st["last_valid"]), tuple(st["spread"])
         self.wall_before, self.eval_wall = st["wall"], st["eval_wall"]
         self.resumed_from, self.ref_n = st["resumed_from"], st["ref_n"]
@@ -304,7 +346,9 @@ class Trainer:
                 "sampler": self.sampler.state_dict(), "aug_gen": self.aug_gen.get_state(),
                 "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(), "rng_np": np.random.get_state(),
                 "rng_cuda": torch.cuda.get_rng_state() if self.dev.type == "cuda" else None,
-                "comm": comm.stats().as_dict(), "sched": list(self.sched), "dist_prev": self.dist_prev,
+                "comm": comm.stats().as_dict(), "plans": self._plans_state(), "speeds": list(self.speeds),
+                "overlapped_syncs": self.overlapped_syncs,
+                "sched": list(self.plans[self.k + 1][:3]), "dist_prev": self.dist_prev,
                 "wall": self.wall(), "eval_wall": self.eval_wall, "evals": self.evals, "samples": self.samples,
                 "last_val": list(self.last_val), "last_valid": list(self.last_valid), "spread": list(self.spread),
                 "ref_n": self.ref_n,
@@ -323,11 +367,30 @@ class Trainer:
         np.random.set_state(st["rng_np"])
         if self.dev.type == "cuda" and st.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(st["rng_cuda"])
-        self.k, self.sched, self.dist_prev = st["step"], tuple(st["sched"]), st["dist_prev"]
+        self.k, self.dist_prev = st["step"], st["dist_prev"]
+        # plans: rank 0's plans for the next outer steps; a checkpoint from before them has
+        # only "sched", the next step's (gk, rk, lr), with L inner steps on every replica
+        self._load_plans(st.get("plans") or {self.k + 1: [*st["sched"], [self.L] * self.world]})
+        self.speeds = list(st.get("speeds", [0.0] * self.world))
+        self.overlapped_syncs = st.get("overlapped_syncs", 0)
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
         self.spread = tuple(st.get("spread", self.spread))
         self.last_valid = tuple(st.get("last_valid", self.last_valid))
         self.ref_n = st.get("ref_n", st.get("world", self.world))
+
+    def _plans_state(self) -> dict:
+        return {j: [p.gk, p.rk, p.lr, list(p.steps)] for j, p in self.plans.items()}
+
+    def _load_plans(self, plans: dict) -> None:
+        self.plans = {int(j): Plan(p[0], p[1], p[2], tuple(p[3])) for j, p in plans.items()}
+        self.resize_plans()
+
+    def resize_plans(self) -> None:
+        """After the world changed (elastic mode, where parle.balance is off): L inner steps
+        for every replica of the new world."""
+        self.speeds = (self.speeds + [0.0] * self.world)[:self.world]
+        self.plans = {j: p if len(p.steps) == self.world else p._replace(steps=(self.L,) * self.world)
+                      for j, p in self.plans.items()}
 
     def save_ckpt(self, k: int, *, last: bool) -> None:
         """Write this rank's checkpoint of step ``k``. A failure must reach every rank, or the
@@ -366,36 +429,41 @@ class Trainer:
         self.model.train()
         for k in range(self.k + 1, K + 1):
             t_step = time.monotonic()
-            gk, rk, lr = self.sched                     # rank 0's values, received at the last sync
-            losses = self._inner_loop(gk, rk, lr)       # L inner steps: no communication (but dpsgd's)
-            self.algo.end_outer(self.ref_params, rk=rk, lr=lr)   # parle: the elastic pull toward the reference
+            plan = self.plans[k]                        # rank 0's, received in an earlier sync
+            losses, t_inner = self._inner_loop(plan)    # no communication (but dpsgd's)
+            stop = self._receive(k) if self.inflight else False   # overlap: step k-1's sync, waited for only now
+            self._outer_update(k, plan)                 # parle: the elastic pull toward the reference
             if _injected("PARLE_HVD_INJECT_NAN", self.rank, k):
                 with torch.no_grad():
                     next(self.model.parameters()).fill_(float("nan"))
-            rows = self._sync(k, self._slot(k, losses))          # all ranks reach this
+            self._send(k, plan, t_step, self._slot(k, losses, t_inner, plan))   # all ranks reach this
+            eval_now = k % self.eval_every_steps == 0 or k == K
+            ckpt_now = bool(cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K
+            if not self.overlap or eval_now or ckpt_now or stop or k + 1 not in self.plans:
+                stop = self._receive(k) or stop        # this step's own sync: all ranks wait here alike
             self.k = k
-            self.samples += self.world * self.L * cfg.train.batch_size
-            self._log_step(k, rows, time.monotonic() - t_step, gk, rk, lr)
-            stopped = self._check_rows(k, rows)         # every rank sees the same rows: all act alike
+            self.samples += sum(plan.steps) * cfg.train.batch_size
             # A stop still evaluates at an evaluation step, so that an interrupted and resumed
             # run makes the same evaluations (and the same summary) as an uninterrupted one.
-            if k % self.eval_every_steps == 0 or k == K:
-                self._evaluate(k, rows, gk, rk, lr)     # all ranks reach this
-            self.log.progress(k, f"loss {float(rows[:, 0].mean()):.3f} val {self.last_val[0]:.4f}")
-            if (cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K or stopped:
-                self.save_ckpt(k, last=k == K or stopped)
-            if stopped and k < K:                       # a stop at K simply finishes
-                return self._stopped(k, rows)
+            if eval_now:
+                self._evaluate(k, plan)                 # all ranks reach this
+            self.log.progress(k, f"loss {self.last_loss:.3f} val {self.last_val[0]:.4f}")
+            if ckpt_now or stop:
+                self.save_ckpt(k, last=k == K or stop)
+            if stop and k < K:                          # a stop at K simply finishes
+                return self._stopped(k)
             if self.member is not None and self.member.commit_due(k):
-                self.member.commit_step(rows)
+                self.member.commit_step(self.last_rows)
         return self.finish()
 
-    def _inner_loop(self, gk: float, rk: float, lr: float) -> list:
-        """This replica's L inner steps; returns their losses (tensors, not synchronised)."""
+    def _inner_loop(self, plan: Plan) -> tuple[list, float]:
+        """This replica's inner steps (L, or its share with parle.balance); returns their
+        losses (tensors, not synchronised) and the seconds they took."""
         cfg, ds, model, algo, dev, dtype = self.cfg, self.ds, self.model, self.algo, self.dev, self.dtype
+        t0 = time.monotonic()
         algo.begin_outer()
         losses = []
-        for _ in range(self.L):
+        for _ in range(plan.steps[self.rank]):
             b = self.sampler.next()
             xb = ds.train_x[b]
             if cfg.data.augment:
@@ -404,46 +472,100 @@ class Trainer:
             loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
             model.zero_grad(set_to_none=True)
             loss.backward()
-            algo.inner_step(gk=gk, rk=rk, lr=lr, xbar=self.ref_params)
+            algo.inner_step(gk=plan.gk, rk=plan.rk, lr=plan.lr, xbar=self.ref_params)
             losses.append(loss.detach())
-        return losses
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)            # the time of the work, not of its launch
+        return losses, time.monotonic() - t0
 
-    def _slot(self, k: int, losses: list) -> dict:
-        """This replica's row in the sync: its losses, its flags, and (elastic mode, rank 0)
-        the coordinator's news of hosts leaving or joining, acted on at this step's commit."""
+    def _outer_update(self, k: int, plan: Plan) -> None:
+        dump = os.environ.get("PARLE_HVD_DUMP_OUTER")     # testing hook (tests/test_overlap.py)
+        if dump:
+            opt = self.algo.opt
+            before = {"x": [t.clone() for t in opt.x], "z": [t.clone() for t in opt.z],
+                      "v_out": [t.clone() for t in opt.v_out], "xbar": [t.clone() for t in self.ref_params]}
+        self.algo.end_outer(self.ref_params, rk=plan.rk, lr=plan.lr)
+        if dump:
+            torch.save({**before, "after": [p.detach().clone() for p in self.algo.params], "rk": plan.rk,
+                        "lr": plan.lr, "steps": plan.steps, "step": k},
+                       os.path.join(dump, f"outer-rank{self.rank}-step{k}.pt"))
+
+    def _slot(self, k: int, losses: list, t_inner: float, plan: Plan) -> dict:
+        """This replica's row in the sync: its losses, its flags, its speed, and (elastic mode,
+        rank 0) the coordinator's news of hosts leaving or joining, acted on at this step's commit."""
         lt = torch.stack(losses).double()
         finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
         stop = self.stop.requested is not None or _injected("PARLE_HVD_INJECT_STOP", self.rank, k)
         hosts = self.member.hosts_pending() if self.member is not None and self.member.commit_due(k) else 0.0
+        fake = _fake_step_seconds(self.rank)
         return {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": self.dist_prev,
                 "nonfinite": float(not finite), "stop": float(stop), "ckpt": float(self.ckpt_error is not None),
-                "hosts": hosts}
+                "hosts": hosts, "step_seconds": fake if fake is not None else t_inner / len(losses)}
 
-    def _sync(self, k: int, slot: dict) -> torch.Tensor:
-        """The one collective of outer step k; returns every replica's slot row. All ranks reach this."""
+    def _plan(self, j: int) -> Plan:
+        """Outer step j's plan: the schedule, and each replica's inner steps: L, or with
+        parle.balance a share of n*L in proportion to its measured speed."""
+        steps = balance_steps(self.speeds, total=self.world * self.L) if self.balance else [self.L] * self.world
+        return Plan(*self.schedule(j), tuple(steps))
+
+    def _plans_after(self, k: int) -> list:
+        """Rank 0's plans for steps k+1 and k+2, sent in step k's sync (Exchange.AHEAD)."""
+        return [self._plan(k + 1 + i) for i in range(Exchange.AHEAD)]
+
+    def _send(self, k: int, plan: Plan, t_step: float, slot: dict) -> None:
+        """Start outer step k's one collective. With a sync, one allreduce: the new reference,
+        rank 0's plans for steps k+1 and k+2, every replica's slot row; without one, every
+        rank computes the (deterministic) plan and the slot rows travel in one small
+        allreduce. All ranks reach this, once per outer step."""
         if self.algo.syncs:
-            # One allreduce: the new reference, rank 0's schedule for step k+1, every replica's slot.
-            with self.dog.collective("sync", k):
-                self.sched, rows = sync(self.model_t, self.ref_t, self.ex,
-                                        self.schedule(k + 1) if self.rank == 0 else None, slot)
-            self.ref_n = self.world
-            self.dist_prev = replica_distance(self.model, self.ref)
-            self.algo.after_sync(self.model_t, self.ref_t)
-            return rows
-        # Every rank computes the (deterministic) schedule; one small allreduce of the slots.
-        self.sched = self.schedule(k + 1)
-        with self.dog.collective("slots", k):
-            return exchange_slots(slot, self.rank, self.world)
+            pending = sync_start(self.model_t, self.ref_t, self.ex, self._plans_after(k) if self.rank == 0 else None,
+                                 slot)                 # all ranks reach this
+            self.inflight = InFlight(k, plan, t_step, time.monotonic(), pending=pending)
+        else:
+            self.plans[k + 1] = self._plan(k + 1)
+            with self.dog.collective("slots", k):
+                rows = exchange_slots(slot, self.rank, self.world)   # all ranks reach this
+            self.inflight = InFlight(k, plan, t_step, time.monotonic(), rows=rows)
 
-    def _log_step(self, k: int, rows, dt: float, gk: float, rk: float, lr: float) -> None:
+    def _receive(self, k: int) -> bool:
+        """Wait for the sync in flight (outer step j = k, or k-1 with overlap), read rank 0's
+        plans and every replica's slot row, log step j, and act on the rows: a non-finite
+        replica or a failed checkpoint write stops every rank (raises); returns whether a
+        rank was asked to stop. Every rank sees the same rows, so all act alike."""
+        rec, self.inflight = self.inflight, None
+        if rec.pending is not None:
+            with self.dog.collective("sync", rec.step):
+                rec.pending.wait()                     # the allreduce started in _send, on every rank
+            plans, rows = self.ex.unpack()
+            self.plans.update({rec.step + 1 + i: p for i, p in enumerate(plans)})
+            self.ref_n = self.world
+            self.dist_prev = replica_distance(self.algo.anchor(), self.ref_params)
+            self.algo.after_sync(self.model_t, self.ref_t)
+        else:
+            rows = rec.rows
+        for j in [j for j in self.plans if j <= rec.step]:
+            del self.plans[j]
+        for a, sec in enumerate(rows[:, 7].tolist()):
+            if sec > 0:                                # smoothed: one slow step must not swing the plan
+                self.speeds[a] = sec if self.speeds[a] <= 0 else 0.5 * self.speeds[a] + 0.5 * sec
+        self.last_rows, self.last_loss = rows, float(rows[:, 0].mean())
+        self.overlapped_syncs += rec.pending is not None and rec.step < k
+        dt = (time.monotonic() if rec.step == k else rec.t_sent) - rec.t_start
+        self._log_step(rec.step, rows, dt, rec.plan)
+        return self._check_rows(rec.step, rows)
+
+    def _log_step(self, k: int, rows, dt: float, plan: Plan) -> None:
         if self.rank != 0 or not (k % self.log_every_steps == 0 or k == self.K):
             return
-        cs, algo = comm.stats(), self.algo
+        cs, algo, gk, rk = comm.stats(), self.algo, plan.gk, plan.rk
         sc = {"train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
-              "train/loss_max_inner": rows[:, 1].max(), "parle/lr": lr,
+              "train/loss_max_inner": rows[:, 1].max(), "parle/lr": plan.lr,
               "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
-              "perf/samples_per_sec": self.world * self.L * self.cfg.train.batch_size / max(dt, 1e-9),
-              "train/passes": k * self.L / self.nb}
+              "perf/samples_per_sec": sum(plan.steps) * self.cfg.train.batch_size / max(dt, 1e-9),
+              "perf/step_seconds": dt, "train/passes": k * self.L / self.nb}
+        if self.balance:                  # what each replica did in step k, and how fast
+            sc.update({f"balance/inner_steps/{a}": n for a, n in enumerate(plan.steps)})
+            sc.update({f"balance/step_seconds/{a}": v for a, v in enumerate(rows[:, 7].tolist())})
         if self.member is not None:
             sc["dist/world_size"] = self.world
         if "gamma" in algo.couplings:
@@ -467,7 +589,7 @@ class Trainer:
             self._raise_ckpt_failure([i for i in range(len(rows)) if rows[i, 6] > 0])
         return bool(rows[:, 4].any())
 
-    def _evaluate(self, k: int, rows, gk: float, rk: float, lr: float) -> None:
+    def _evaluate(self, k: int, plan: Plan) -> None:
         """Evaluate the reference (test, and validation with data.val_frac). All ranks reach this."""
         cfg, algo, ds = self.cfg, self.algo, self.ds
         t_eval = time.monotonic()
@@ -491,14 +613,14 @@ class Trainer:
         self.log.scalars(k, sc)
         self.log.info(f"step {k}/{self.K} pass {passes:.2f}: "
                       + (f"valid acc {valid[0]:.4f}, " if valid is not None else "")
-                      + f"test acc {acc:.4f} loss {vloss:.4f}, train loss {float(rows[:, 0].mean()):.4f}, lr {lr:.3g}"
-                      + (f" gamma_inv {gk:.3g}" if "gamma" in algo.couplings else "")
-                      + (f" rho_inv {rk:.3g}" if "rho" in algo.couplings else "")
+                      + f"test acc {acc:.4f} loss {vloss:.4f}, train loss {self.last_loss:.4f}, lr {plan.lr:.3g}"
+                      + (f" gamma_inv {plan.gk:.3g}" if "gamma" in algo.couplings else "")
+                      + (f" rho_inv {plan.rk:.3g}" if "rho" in algo.couplings else "")
                       + (f", {self.world} ranks" if self.member is not None else ""))
         self.model.train()
 
-    def _stopped(self, k: int, rows) -> dict:
-        who = [i for i in range(len(rows)) if rows[i, 4] > 0]
+    def _stopped(self, k: int) -> dict:
+        who = [i for i in range(len(self.last_rows)) if self.last_rows[i, 4] > 0]
         self.log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
                       f"resume with run.resume=true run.dir={self.run_dir}")
         self.log.close()
@@ -515,7 +637,8 @@ class Trainer:
                    "test_accuracy": self.last_val[0], "test_loss": self.last_val[1],
                    "valid_accuracy": self.last_valid[0], "valid_loss": self.last_valid[1], "wall_seconds": wall,
                    "eval_seconds": self.eval_wall, "outer_steps": K, "inner_steps": K * L, "sync_period": L,
-                   "passes": K * L / self.nb,
+                   "passes": K * L / self.nb, "overlap": self.overlap, "balance": "time" if self.balance else "off",
+                   "overlapped_syncs": self.overlapped_syncs,
                    "evaluations": self.evals, "samples_seen": self.samples, "allreduce_calls": cs.allreduce_calls,
                    "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
                    "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,

@@ -167,3 +167,16 @@ def run_ranks(script: str | Path, *, controller: str = "gloo", np: int = 2, args
     if out_dir is None:
         shutil.rmtree(job.out, ignore_errors=True)
     return results
+
+
+def kill9_after_first_checkpoint(job: RankJob, run_dir: Path, *, world: int = 2, timeout: float = 180) -> int:
+    """Wait until ``job`` has written its first complete checkpoint, then SIGKILL its whole
+    tree; returns the newest complete step (the job may have gone further before the kill)."""
+    from parle_hvd import checkpoint
+    t0 = time.monotonic()
+    while checkpoint.latest_complete(run_dir, world) is None:
+        assert job.proc.poll() is None, job.output
+        assert time.monotonic() - t0 < timeout, job.output
+        time.sleep(0.02)
+    job.kill()
+    return checkpoint.latest_complete(run_dir, world)

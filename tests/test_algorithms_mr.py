@@ -43,8 +43,9 @@ def test_every_algorithm_on_two_ranks_communicates_as_designed(tmp_path, algo):
     n_tensors = len(list(model.parameters()))
     K, E, Lk = s["outer_steps"], s["evaluations"], s["sync_period"]
     eval_bytes = 8 * (3 + 2 * 1)             # float64 [correct, loss, count] + one slot per replica
-    slots = 2 * len(SLOT)                     # one row per rank: loss, loss_max, distance, nonfinite, stop, hosts, ckpt
-    sync_bytes = 4 * (S + 2 * 3 + slots)      # float32: weights + BN stats, schedule (hi, lo), the slot rows
+    slots = 2 * len(SLOT)                     # one row per rank: loss, loss_max, distance, flags, step seconds
+    plans = 2 * 2 * (3 + 2)                   # two steps' plans (gk, rk, lr, 2 replicas' inner steps), hi and lo
+    sync_bytes = 4 * (S + plans + slots)      # float32: weights + BN stats, rank 0's plans, the slot rows
     nb = N_TRAIN // BS // (2 if algo == "dpsgd" else 1)
     assert K == math.ceil(nb / Lk) and E == 2
     if algo in ("parle", "localsgd", "diloco", "elastic"):

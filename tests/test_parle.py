@@ -316,3 +316,41 @@ def test_trainer_schedule_auto_and_a_number():
     for k in (1, 10, 100):
         assert outer_schedule(k, L=L, nb=nb, parle=num.parle, optim=num.optim, epochs=epochs)[:2] == \
             scoping(k, gamma0_inv=0.01, gamma_min_inv=1.0, rho0_inv=1.0, rho_min_inv=10.0, scoping=0.5, nb=nb)
+
+
+# --------------------------------------------------------------------------- parle.balance
+def _balance_by_hand(sec, total):
+    """Largest remainder, written out: shares total*v/sum(v) of the speeds v = 1/sec."""
+    v = [1.0 / s for s in sec]
+    share = [total * x / sum(v) for x in v]
+    out = [int(x) for x in share]
+    for a in sorted(range(len(sec)), key=lambda a: -(share[a] - int(share[a])))[:total - sum(out)]:
+        out[a] += 1
+    return out
+
+
+@pytest.mark.parametrize("sec", [[2.0, 2.0, 1.0], [1.0, 1.0], [0.013, 0.021, 0.034, 0.055], [1.0, 3.0, 3.0, 9.0]])
+@pytest.mark.parametrize("L", [1, 5, 25])
+def test_balance_steps_shares_n_times_L_by_speed(sec, L):
+    from parle_hvd.parle import balance_steps
+    n = len(sec)
+    got = balance_steps(sec, total=n * L)
+    assert sum(got) == n * L and min(got) >= 1
+    want = _balance_by_hand(sec, n * L)
+    if min(want) >= 1:                    # no replica needed raising to 1: plain largest remainder
+        assert got == want
+    # all finish at about the same time: no replica's inner loop is more than one of its
+    # steps longer than another's (beyond the steps the floor of 1 forces)
+    t = [s * k for s, k in zip(sec, got) if k > 1]
+    assert not t or max(t) - min(t) <= max(sec) + 1e-12
+
+
+def test_balance_steps_edge_cases():
+    from parle_hvd.parle import balance_steps
+    assert balance_steps([2.0, 2.0, 1.0], total=75) == [19, 19, 37]       # speeds 1/2, 1/2, 1
+    assert balance_steps([0.0, 0.0], total=50) == [25, 25]                # not measured yet: equal
+    assert balance_steps([1.0, 0.0, float("nan")], total=9) == [3, 3, 3]  # unmeasured count at the mean
+    assert balance_steps([1000.0, 1.0, 1.0], total=6) == [1, 3, 2]       # the slow one at its floor of 1
+    assert balance_steps([5.0, 1.0], total=2) == [1, 1]                   # every replica at least 1
+    with pytest.raises(ValueError):
+        balance_steps([1.0, 1.0, 1.0], total=2)

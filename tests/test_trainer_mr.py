@@ -3,13 +3,12 @@ every sync, rank 0's schedule on every rank, exact communication counts, exact r
 after a kill -9, and a short real training run."""
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from multirank import ROOT, RankJob, run_ranks
+from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
 from parle_hvd import checkpoint
 from parle_hvd.parle import scoping
 
@@ -23,15 +22,16 @@ SMALL = ["data.train_limit=2560", "data.test_limit=1000", "parle.sync_period=5",
 
 def test_sync_exchange_mechanism():
     res = run_ranks(ROOT / "tests/ranks/exchange_check.py", controller="gloo", timeout=90)
-    want_sched = [0.0123456789, 1.23456789, 0.1]
+    want = [[0.0123456789, 1.23456789, 0.1], [0.02, 1.5, 0.01]]
     for r, dtype in [(r, d) for r in res for d in ("torch.float32", "torch.float64")]:
         x = r[dtype]
-        assert x["calls"] == 1
-        assert x["ref"] == [[0.5] * 6, [1.0] * 4]
-        assert x["sched"] == pytest.approx(want_sched, rel=1e-14, abs=0)   # rank 0's, not rank 1's
-        assert x["rows"] == [[1.5, 2.5, 10.0, 0.0, 0.0, 2.0, 0.0], [2.5, 3.5, 20.0, 0.0, 1.0, 0.0, 1.0]]
+        assert x["calls"] == 2                                              # one per sync
+        assert x["ref"] == x["ref_async"] == [[0.5] * 6, [1.0] * 4]
+        for got, w, steps in zip(x["plans"], want, [[5, 5], [3, 7]]):        # rank 0's, not rank 1's
+            assert got[:3] == pytest.approx(w, rel=1e-14, abs=0) and got[3] == steps
+        assert x["rows"] == [[1.5, 2.5, 10.0, 0.0, 0.0, 2.0, 0.0, 0.5], [2.5, 3.5, 20.0, 0.0, 1.0, 0.0, 1.0, 1.0]]
         assert x["model_untouched"]
-        assert res[0][dtype]["sched"] == res[1][dtype]["sched"]            # bit-identical everywhere
+        assert res[0][dtype]["plans"] == res[1][dtype]["plans"]            # bit-identical everywhere
 
 
 @pytest.mark.parametrize("controller,init", [("gloo", "independent"), ("mpi", "broadcast")])
@@ -88,13 +88,7 @@ def test_exact_resume_after_kill(tmp_path):
               timeout=240, reports=False)
     b = tmp_path / "b"
     job = RankJob([TRAIN, "--config", "configs/fashion_parle.yaml", *common, f"run.dir={b}"])
-    t0 = time.monotonic()
-    while checkpoint.latest_complete(b, 2) is None:
-        assert job.proc.poll() is None, job.output
-        assert time.monotonic() - t0 < 180, job.output
-        time.sleep(0.02)
-    job.kill()
-    killed_at = checkpoint.latest_complete(b, 2)
+    killed_at = kill9_after_first_checkpoint(job, b)
     s_a = json.loads((a / "summary.json").read_text())
     assert not (b / "summary.json").exists() and killed_at < s_a["outer_steps"]
     out = run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *common, f"run.dir={b}",
