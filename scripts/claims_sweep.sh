@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every run behind docs/CLAIMS.md (the paper's RQ1-RQ4), in order of importance, then the page.
+# Every run behind docs/CLAIMS.md (the paper's RQ1-RQ5), in order of importance, then the page.
 # Resumable: every step caches its finished runs, so a killed sweep goes on where it stopped
-# and a complete one only rewrites the page (seconds). About 2.5 hours on 2 cores; needs root
-# for RQ1's throttled hosts. Run it in the background:
+# and a complete one only rewrites the page (seconds). About 3 hours on 2 cores; needs root
+# for the throttled hosts of RQ1 and RQ5; RQ5's timings want a machine doing nothing else. Run it in the background:
 #   mkdir -p reports && nohup scripts/claims_sweep.sh > reports/claims_sweep.log 2>&1 &
 #   make claims            (the same, in the foreground)
 # ONLY="rq1 rq2_full" runs a subset; the page is written from whatever reports exist.
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-3}
-ONLY=${ONLY:-"select rq1 rq2_full rq4 rq2_small rq3 rq2_small_aug"}
+ONLY=${ONLY:-"select rq1 rq2_full rq4 rq2_small rq3 rq2_small_aug rq5"}
 mkdir -p reports
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 step() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -56,6 +56,11 @@ fi
 if want rq2_small_aug; then
     step "RQ2 generalization, 6000 images, with augmentation"
     SEEDS=$SEEDS PY=$PY AUGMENT=true scripts/rq2_small_sweep.sh parle.init="$INIT"
+fi
+if want rq5; then
+    step "RQ5 heterogeneous systems: overlapped sync on 3 links; 3 ranks of unequal speed, balance off/on"
+    "$PY" scripts/rq5_overlap.py --seeds "$SEEDS" --out reports/rq5/overlap
+    "$PY" scripts/rq5_hetero.py --out reports/rq5/hetero
 fi
 step "writing docs/CLAIMS.md"
 "$PY" scripts/write_claims.py --reports reports --out docs/CLAIMS.md

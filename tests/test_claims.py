@@ -89,7 +89,7 @@ def test_page_from_reports(tmp_path):
     assert table["RQ3 split data"] in ("**confirmed**", "**mixed**")
     assert "rq3_fracthird" not in page or "not measured yet" in page
     assert table["RQ4 flat minima"] == "**confirmed**"
-    assert table["RQ5 heterogeneous systems"] == "**not yet measured**"
+    assert table["RQ5 heterogeneous systems"] == "**not measured**"      # no rq5 reports here
     # the initialisation chosen on validation is stated, and every command carries it
     assert "uses parle.init=broadcast" in page and "--parle-init broadcast" in page
     assert page.count("parle.init=broadcast") >= 4 and "parle.init=independent" not in page
@@ -104,9 +104,48 @@ def test_missing_reports_say_not_measured(tmp_path):
     out = tmp_path / "CLAIMS.md"
     assert wc.main(["--reports", str(tmp_path / "none"), "--out", str(out), "--data", str(tmp_path / "d")]) == 0
     page = out.read_text()
-    assert page.count("**not measured**") == 4 and "not yet measured" in page
+    assert page.count("**not measured**") == 5 and "RQ5" in page
     # a regime with Parle's runs only (its sweep still running) gives no verdict
     fake_report(tmp_path / "some" / "rq2_small", {"parle": [0.13, 0.14, 0.12]})
     assert wc.main(["--reports", str(tmp_path / "some"), "--out", str(out), "--data", str(tmp_path / "d")]) == 0
     page = out.read_text()
-    assert page.count("**not measured**") == 4 and "No baseline measured yet" in page
+    assert page.count("**not measured**") == 5 and "No baseline measured yet" in page
+
+
+def _rq5(d: Path, *, ratios: dict, step_q: float, hetero_ratio: float, on_s: float, off_s: float) -> None:
+    """rq5_overlap.py's and rq5_hetero.py's json, by hand: ratios[link] = overlapped / dpsgd."""
+    run = lambda r: {"seconds_per_outer_step": 1.0, "to_target_seconds": 10.0 * r, "ratio_to_dpsgd": r,
+                     "final_accuracy": 0.9}
+    links = {l: {"42": {"target": 0.9, "dpsgd": run(1.0), "blocking": run(2 * r), "overlap": run(r)}}
+             for l, r in ratios.items()}
+    (d / "rq5" / "overlap").mkdir(parents=True)
+    (d / "rq5" / "overlap" / "overlap.json").write_text(json.dumps({
+        "dpsgd_passes": 4, "parle_passes": 8, "tuning": {"best": "fp16_cycle5"}, "links": links,
+        "overlap_step_10mbit_over_loopback": step_q,
+        "accuracy": {"seeds": ["42", "43"], "overlap": [10.0, 0.5], "blocking": [10.0, 0.5],
+                     "paired_blocking_minus_overlap": [0.0, 0.0, "no difference"],
+                     "overlap_within_blocking_interval": True}}))
+    (d / "rq5" / "hetero").mkdir(parents=True)
+    side = lambda sps, t: {"samples_per_sec": sps, "to_target_seconds": t, "last_inner_steps": [19, 19, 37]}
+    (d / "rq5" / "hetero" / "hetero.json").write_text(json.dumps({
+        "ranks": 3, "pin": "0,0,1", "dpsgd_passes": 4, "parle_passes": 8,
+        "seeds": {"42": {"dpsgd": {"samples_per_sec": 900.0}, "off": side(600.0, off_s),
+                         "time": side(600.0 * hetero_ratio, on_s), "samples_per_sec_ratio": hetero_ratio}}}))
+
+
+def test_rq5_verdict_follows_issue_13s_targets(tmp_path):
+    out, data = tmp_path / "CLAIMS.md", tmp_path / "d"
+    good = tmp_path / "good"
+    _rq5(good, ratios={"loopback": 0.9, "100mbit": 0.4, "10mbit": 0.15}, step_q=1.05, hetero_ratio=1.3,
+         on_s=50.0, off_s=60.0)
+    wc.main(["--reports", str(good), "--out", str(out), "--data", str(data)])
+    page = out.read_text()
+    assert "| RQ5 heterogeneous systems |" in page and page.count("(missed)") == 0
+    assert "**Verdict: confirmed**" in page and (data / "rq5" / "hetero.json").is_file()
+    bad = tmp_path / "bad"          # 10 Mbit at 0.3x (target 0.2x), balance only 1.1x and slower to the target
+    _rq5(bad, ratios={"loopback": 0.9, "100mbit": 0.4, "10mbit": 0.3}, step_q=1.05, hetero_ratio=1.1,
+         on_s=70.0, off_s=60.0)
+    wc.main(["--reports", str(bad), "--out", str(out), "--data", str(data)])
+    page = out.read_text()
+    assert page.count("(missed)") == 3 and "**Verdict: mixed**" in page
+    assert "0.30x (missed)" in page and "1.10x (missed)" in page
