@@ -494,6 +494,7 @@ def main(argv=None) -> int:
     dest = Path(a.data)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "data.json").write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
+    (dest / "rq5.md").write_text("\n".join(s5) + "\n")      # docs/RESULTS.md shows it too (write_results.py)
     copy_reports(rep_dir, dest)
     print(f"wrote {a.out}: RQ1 {v1}, RQ2 {v2}, RQ3 {v3}, RQ4 {v4}, RQ5 {v5}")
     return 0

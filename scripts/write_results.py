@@ -153,4 +153,9 @@ for name, frac in (("parle_n3_third", "1/3"), ("sgd_third", "1/3"), ("parle_n2_h
 out += ["", "The paper's split-data rows (All-CNN-C on CIFAR-10, PARLE.md): n=3 with 1/2 each: Parle 5.89 %, "
         "Elastic-SGD 6.51 %, SGD on all the data 6.15 %; n=6 with 1/4 each: Parle 6.08 %, Elastic-SGD 6.8 %.", ""]
 
+rq5 = src / "claims" / "rq5.md"         # written by scripts/write_claims.py from scripts/rq5_*.py's reports
+if rq5.is_file():
+    out += [l.replace("## RQ5 heterogeneous systems: ", "## RQ5 (issue 13): ", 1) for l in rq5.read_text().splitlines()]
+    out += ["The same section, with its verdict, is RQ5 in [CLAIMS.md](CLAIMS.md).", ""]
+
 dst.write_text("\n".join(out) + "\n")
