@@ -105,21 +105,26 @@ class ParleAlgo(Algorithm):
         self.L = P.sync_period
         self.opt = Parle(self.params, inner_lr=O.lr, sync_period=P.sync_period, alpha=P.alpha, momentum=O.momentum,
                          nesterov=O.nesterov, weight_decay=O.weight_decay, **self._noise())
+        self.in_outer = False      # between begin_outer and end_outer (the params then hold y)
 
     def _noise(self) -> dict:
         return {}
 
     def begin_outer(self):
         self.opt.begin_outer()
+        self.in_outer = True
 
     def inner_step(self, *, gk, rk, lr, xbar):
         self.opt.inner_step(gamma_inv=gk)
 
     def end_outer(self, xbar, *, rk, lr):
         self.opt.outer_step(xbar, rho_inv=rk, lr=lr)
+        self.in_outer = False
 
     def anchor(self):
-        return self.opt.x          # x[a] during the inner loop too (the params then hold y)
+        # inside an outer step the params hold y and x[a] is kept aside; between outer steps
+        # the params are x[a] (also after a resume, or a joiner's copy of the reference)
+        return self.opt.x if self.in_outer else self.params
 
     def state_dict(self):
         return {"parle": self.opt.state_dict()}

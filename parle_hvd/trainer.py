@@ -370,8 +370,8 @@ class Trainer:
         self.k, self.dist_prev = st["step"], st["dist_prev"]
         # plans: rank 0's plans for the next outer steps; a checkpoint from before them has
         # only "sched", the next step's (gk, rk, lr), with L inner steps on every replica
-        self._load_plans(st.get("plans") or {self.k + 1: [*st["sched"], [self.L] * self.world]})
         self.speeds = list(st.get("speeds", [0.0] * self.world))
+        self._load_plans(st.get("plans") or {self.k + 1: [*st["sched"], [self.L] * self.world]})   # resizes speeds too
         self.overlapped_syncs = st.get("overlapped_syncs", 0)
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
         self.spread = tuple(st.get("spread", self.spread))
@@ -408,7 +408,7 @@ class Trainer:
             if last:
                 raise CheckpointError(self.ckpt_error) from None
 
-    def _raise_ckpt_failure(self, bad: list) -> None:
+    def _raise_ckpt_failure(self, bad: list, k: int) -> None:
         """Every rank, after a sync whose slot rows say a checkpoint write failed: the rank
         that failed raises its own message (printed by that rank); the others a RunError
         (printed by rank 0) naming it."""
@@ -418,7 +418,7 @@ class Trainer:
             raise CheckpointError(self.ckpt_error)
         done = checkpoint.latest_complete(self.run_dir, self.world)
         raise RunError(f"run.dir: rank(s) {bad} could not write their checkpoint (their message above); stopped "
-                       f"after outer step {self.k}. The last complete checkpoint (step {done}) is kept in "
+                       f"after outer step {k}. The last complete checkpoint (step {done}) is kept in "
                        f"{self.run_dir}/checkpoints")
 
     # ----------------------------------------------------------------------- the loop
@@ -586,7 +586,7 @@ class Trainer:
             raise DivergenceError(f"non-finite loss or weights on rank(s) {bad} at outer step {k}; stopped. "
                                   f"The last complete checkpoint (step {last}) is kept in {self.run_dir}/checkpoints")
         if bool(rows[:, 6].any()):
-            self._raise_ckpt_failure([i for i in range(len(rows)) if rows[i, 6] > 0])
+            self._raise_ckpt_failure([i for i in range(len(rows)) if rows[i, 6] > 0], k)
         return bool(rows[:, 4].any())
 
     def _evaluate(self, k: int, plan: Plan) -> None:
