@@ -61,8 +61,11 @@ def main(argv=None) -> int:
                                            "to_target_seconds": dt}}
         for name in ("off", "time"):
             d = out / f"parle-balance-{name}-s{seed}"
-            s = cached_train(["--config", CONFIG, *budget(PARLE_PASSES), f"train.seed={seed}", "algo=parle",
-                              "parle.init=broadcast", f"parle.balance={name}", "run.log_every=1"], d, launcher(1.0))
+            args = ["--config", CONFIG, *budget(PARLE_PASSES), f"train.seed={seed}", "algo=parle",
+                    "parle.init=broadcast", f"parle.balance={name}", "run.log_every=1"]
+            if name == "off":        # the default, left out: before config.py read a bare "off" as YAML does (False)
+                args.remove("parle.balance=off")
+            s = cached_train(args, d, launcher(1.0))
             train_s = s["wall_seconds"] - s["eval_seconds"]
             tt, _, tp = to_target(d, target)
             last = [m for m in metrics(d) if "balance/inner_steps/0" in m]

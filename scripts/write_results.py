@@ -25,10 +25,15 @@ def f(v, d="-"):
 
 
 out = ["# Results", "",
-       "**The paper's claims (speed, generalization, split data, flat minima) are tested in "
-       "[CLAIMS.md](CLAIMS.md)**, over several seeds with 95 % intervals, selection on a validation split, and "
-       "dpsgd tuned (fp16, fusion, cycle time); `make claims` regenerates it. This page holds the "
-       "benchmarks (one run each): overhead, communication, sync cost, input pipeline.", "",
+       "**The paper's claims (speed, generalization, split data, flat minima, heterogeneous systems) are tested "
+       "in [CLAIMS.md](CLAIMS.md)**, over several seeds with 95 % intervals, selection on a validation split, and "
+       "dpsgd tuned (fp16, fusion, cycle time); `make claims` regenerates it. Where the two pages differ (time to "
+       "accuracy, the comparison report, split data), CLAIMS.md is the one to read. Its RQ5 section (the "
+       "overlapped sync and replicas of unequal speed, issue 13) is repeated at the end of this page.", "",
+       "> **Read with care (2026-12-02).** Every figure below but the last section is one seed, measured "
+       "before the correctness fixes of issue 11: Elastic-SGD then used momentum 0.9 and scoped on a clock about "
+       "25x faster than Parle's, dpsgd's evaluated weights were rounded by an average, and the \"best test "
+       "error\" column picked its step on the test set. They are kept as they were measured.", "",
        "Measured on this project's machine: 2 CPU cores, no GPU, Python 3.11, torch 2.13.0 (CPU), Horovod "
        "0.28.1 (Gloo and MPI controllers). Every figure below was produced by the command shown beside it; "
        "`make results` (= `scripts/results.sh`) reruns them all and rewrites this page. Raw `name: value` output: "
