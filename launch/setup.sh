@@ -20,6 +20,8 @@
 #   PARLE_HVD_CUDA=0|1   (1: build Horovod with NCCL; needs nvcc and a CUDA torch)
 #   PARLE_HVD_SKIP_APT=1 (never touch apt)   PARLE_HVD_CACHE=~/.cache/parle_hvd
 #   PARLE_HVD_NO_VENV=1  (install into the current interpreter, e.g. a conda env)
+#   PARLE_HVD_SDIST=path/horovod-0.28.1.tar.gz (build from this sdist, no download; default:
+#                        $PARLE_HVD_CACHE/horovod-<version>.tar.gz when present, kept there by any build)
 #   PARLE_HVD_TEST_DEPS=1 (also apt-get what the test suite's SLURM and two-host tests use)
 set -euo pipefail
 
@@ -80,7 +82,7 @@ fi
 # (the grep drops pip's notes about find-links/index locations absent on this machine)
 pip() { "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-pip install --upgrade "pip>=23" "setuptools<81" wheel >/dev/null  # horovodrun imports distutils/pkg_resources
+pip install "pip>=23" "setuptools<81" wheel >/dev/null  # horovodrun imports distutils/pkg_resources; no --upgrade: offline-safe when satisfied
 # torch first, alone: every later install sees it satisfied and never pulls a CUDA build.
 torch_args=("$TORCH_SPEC")
 [[ -n ${TORCH_INDEX_URL:-} ]] && torch_args+=(--index-url "$TORCH_INDEX_URL")
@@ -123,7 +125,13 @@ else
         work=$(mktemp -d)
         (
             cd "$work"
-            pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d .
+            sdist=${PARLE_HVD_SDIST:-$CACHE/horovod-$HOROVOD_VERSION.tar.gz}
+            if [[ -f $sdist ]]; then
+                cp "$sdist" "horovod-$HOROVOD_VERSION.tar.gz"          # offline: the sdist travels with the job
+            else
+                pip download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d .
+                mkdir -p "$CACHE" && cp "horovod-$HOROVOD_VERSION.tar.gz" "$CACHE/" || true   # for an offline machine later
+            fi
             tar xzf "horovod-$HOROVOD_VERSION.tar.gz"
             cd "horovod-$HOROVOD_VERSION"
             # Current torch headers need C++17; gloo must match or the link fails.

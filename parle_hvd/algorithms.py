@@ -142,7 +142,7 @@ class EntropyAlgo(ParleAlgo):
     couplings = ("gamma",)
 
     def _noise(self):
-        self.gen = _gen("langevin", self.cfg.train.seed, self.rank)
+        self.gen = _gen("langevin", self.cfg.train.seed, self.rank, device=self.params[0].device)   # drawn on the device
         return {"noise": self.cfg.entropy.noise, "generator": self.gen}
 
     def end_outer(self, xbar, *, rk, lr):

@@ -17,6 +17,14 @@ Launch:
   PARLE_HVD_HOSTS_FILE=hosts.txt NP=4 MIN_NP=2 MAX_NP=8 launch/elastic.sh  # ranks may leave and join"""
 
 
+def _let_rank0_speak(seconds: float = 3.0) -> None:
+    """A rank other than 0 that fails with the error every rank has (a bad config, say)
+    leaves printing it to rank 0; it waits a moment before exiting, or the launcher, which
+    ends the job at the first non-zero exit, could kill rank 0 before its line is out."""
+    import time
+    time.sleep(seconds)
+
+
 def _rank_from_env() -> int:
     for k in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
         if k in os.environ:
@@ -61,10 +69,14 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, RunError, CheckpointError) as e:
         if rank == 0 or isinstance(e, CheckpointError):
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            _let_rank0_speak()
         return 2
     except DivergenceError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            _let_rank0_speak()
         return 3
     except OSError as e:      # a full disk or a vanished directory while writing logs
         print(f"error: rank {rank}: {e.strerror or e}: {e.filename or ''}", file=sys.stderr, flush=True)

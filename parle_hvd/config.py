@@ -8,6 +8,7 @@ Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming t
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -212,6 +213,8 @@ class RunConfig:
     log_every: int = _f(25, "log scalars every this many inner steps (rounded up to whole outer steps)")
     tensorboard: bool = _f(True, "write TensorBoard event files")
     progress: str = _f("auto", "progress bar on rank 0: auto (when a terminal), bar, lines", ["auto", "bar", "lines"])
+    deterministic: bool = _f(False, "torch's deterministic algorithms, cuDNN benchmark off: exact resume on a GPU "
+                             "too (on the CPU it holds anyway); slower")
 
     def __post_init__(self):
         _check(self.ckpt_every >= 0, "run.ckpt_every", "must be >= 0")
@@ -229,6 +232,8 @@ class DistConfig:
     expect_ranks: int = _f(0, "the number of ranks this config is meant for (0 = any); a mismatch stops the run")
     device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
                      ["auto", "cpu", "cuda"])
+    share_device: bool = _f(False, "let more ranks than GPUs run on a host, sharing them round-robin (checks "
+                            "with Gloo, launch/gpu_check.sh; NCCL refuses two ranks on one GPU, and it is slow)")
     elastic: bool = _f(False, "Horovod elastic mode (horovodrun --min-np/--host-discovery-script, "
                        "launch/elastic.sh): ranks may leave and join; state committed at every sync")
     elastic_commit_every: int = _f(1, "elastic mode: commit (copy this rank's state to host memory) every this "
@@ -285,6 +290,9 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(key: str, tp, value: Any):
     origin = typing.get_origin(tp)
     if origin is Union:                 # Union[float, str]: a number, or a word the field's check accepts
@@ -309,12 +317,16 @@ def _coerce(key: str, tp, value: Any):
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)         # YAML 1.1 leaves 1e-4 (no dot) a string
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
         if value is None:
             return ""
+        if isinstance(value, bool):     # YAML 1.1 reads a bare off/on (no/yes) as a boolean: the word back
+            return "on" if value else "off"
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise ConfigError(f"{key}: unsupported type {tp}")
 

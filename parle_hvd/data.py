@@ -27,6 +27,8 @@ import gzip
 import hashlib
 import struct
 from fractions import Fraction
+import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -347,13 +349,14 @@ def _stream_tag(stream: str) -> int:
     return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
 
 
-def _gen(stream: str, *keys: int) -> torch.Generator:
+def _gen(stream: str, *keys: int, device=None) -> torch.Generator:
     """A generator for the named ``stream`` ("sampler", "augment", "bn", "window", ...),
     seeded by a fixed mix of the stream's tag and the keys; stable across runs and platforms.
-    The tag comes first and no two streams share one, so a counter cannot reach another stream."""
+    The tag comes first and no two streams share one, so a counter cannot reach another stream.
+    ``device``: a generator that draws on that device (a GPU's draws differ from the CPU's)."""
     if not isinstance(stream, str):
         raise TypeError("_gen: the first argument names the stream")
-    g = torch.Generator()
+    g = torch.Generator() if device is None or torch.device(device).type == "cpu" else torch.Generator(device=device)
     h = 0x9E3779B97F4A7C15
     for k in (_stream_tag(stream), *keys):
         h = (h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
@@ -403,19 +406,21 @@ class ReplicaSampler:
     window, so an example left out of one pass is seen in others. State is ``(pass, position)``."""
 
     def __init__(self, indices: torch.Tensor, batch_size: int, *, seed: int, rank: int,
-                 nb: Optional[int] = None):
+                 nb: Optional[int] = None, device=None):
         if batch_size > len(indices) or nb == 0:
             raise DataError(f"train.batch_size {batch_size} is larger than a replica's data "
                             f"({len(indices)} examples)")
         self.indices = indices
         self.batch_size = batch_size
         self.seed, self.rank = seed, rank
+        self.device = device         # where the batches' indices live: the data's device (one copy per pass)
         self.nb = len(indices) // batch_size if nb is None else min(nb, len(indices) // batch_size)
         self.epoch, self.pos = 0, 0
         self._order = self._perm(0)
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        return self.indices[torch.randperm(len(self.indices), generator=_gen("sampler", self.seed, self.rank, epoch))]
+        order = self.indices[torch.randperm(len(self.indices), generator=_gen("sampler", self.seed, self.rank, epoch))]
+        return order if self.device is None else order.to(self.device)
 
     def next(self) -> torch.Tensor:
         if self.pos >= self.nb:
@@ -433,11 +438,29 @@ class ReplicaSampler:
         self._order = self._perm(self.epoch)
 
 
+def to_device(ds: Dataset, device) -> Dataset:
+    """``ds`` with every tensor on ``device``, copied once (a GPU rank then indexes and
+    augments its batches there: no host-to-device copy per batch). ``ds`` itself if it is
+    there already."""
+    device = torch.device(device)
+    if ds.train_x.device == device:
+        return ds
+    mv = lambda t: None if t is None else t.to(device)
+    return dataclasses.replace(ds, train_x=mv(ds.train_x), train_y=mv(ds.train_y), test_x=mv(ds.test_x),
+                               test_y=mv(ds.test_y), val_x=mv(ds.val_x), val_y=mv(ds.val_y))
+
+
+@functools.lru_cache(maxsize=32)
+def _norm_constants(mean: tuple, std: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=dtype, device=device).view(1, -1, 1, 1)
+    shift = torch.tensor([m / s for m, s in zip(mean, std)], dtype=dtype, device=device).view(1, -1, 1, 1)
+    return scale, shift
+
+
 def to_input(x_u8: torch.Tensor, mean, std, dtype=torch.float32) -> torch.Tensor:
     """uint8 [B,C,H,W] -> normalised float ``(x/255 - mean)/std``, on the whole batch, in
-    two passes (one multiply-subtract per channel)."""
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=dtype, device=x_u8.device).view(1, -1, 1, 1)
-    shift = torch.tensor([m / s for m, s in zip(mean, std)], dtype=dtype, device=x_u8.device).view(1, -1, 1, 1)
+    two passes (one multiply-subtract per channel); the constants are made once per device."""
+    scale, shift = _norm_constants(tuple(mean), tuple(std), dtype, x_u8.device)
     return x_u8.to(dtype).mul_(scale).sub_(shift)
 
 
@@ -448,13 +471,14 @@ def augment_batch(x_u8: torch.Tensor, g: torch.Generator, pad: int = 4, flip: bo
     b, c, h, w = x_u8.shape
     H, W = h + 2 * pad, w + 2 * pad
     padded = torch.nn.functional.pad(x_u8, (pad, pad, pad, pad)).view(b, c, H * W)
-    dx = torch.randint(0, 2 * pad + 1, (b, 1), generator=g)
-    dy = torch.randint(0, 2 * pad + 1, (b, 1), generator=g)
-    j = torch.arange(w).view(1, w)
+    dev = g.device                       # the draws are made where the generator lives
+    dx = torch.randint(0, 2 * pad + 1, (b, 1), generator=g, device=dev)
+    dy = torch.randint(0, 2 * pad + 1, (b, 1), generator=g, device=dev)
+    j = torch.arange(w, device=dev).view(1, w)
     if flip:
-        flipped = torch.rand(b, 1, generator=g) < 0.5
+        flipped = torch.rand(b, 1, generator=g, device=dev) < 0.5
         j = torch.where(flipped, w - 1 - j, j)
     cols = dx + j                                                  # [B, W]
-    rows = dy + torch.arange(h).view(1, h)                         # [B, H]
+    rows = dy + torch.arange(h, device=dev).view(1, h)             # [B, H]
     idx = (rows.view(b, h, 1) * W + cols.view(b, 1, w)).view(b, 1, h * w).expand(b, c, h * w)
-    return torch.gather(padded, 2, idx.to(x_u8.device)).view(b, c, h, w)
+    return torch.gather(padded, 2, idx.to(x_u8.device)).view(b, c, h, w)   # no copy when g is on x's device

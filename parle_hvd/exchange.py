@@ -10,7 +10,6 @@ The sync is ONE fused allreduce carrying, in one flat buffer:
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -103,10 +102,14 @@ def exchange_slots(slot: dict, rank: int, world: int) -> torch.Tensor:
 
 
 def replica_distance(xs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> float:
-    """``||x[a] - xbar||`` over the trained tensors (the replica's anchor and the reference's parameters)."""
+    """``||x[a] - xbar||`` over the trained tensors (the replica's anchor and the reference's
+    parameters): multi-tensor, one device sync."""
+    xs, refs = list(xs), list(refs)
+    if not xs:
+        return 0.0
     with torch.no_grad():
-        s = sum(float((p.double() - q.double()).pow(2).sum()) for p, q in zip(xs, refs))
-    return math.sqrt(s)
+        norms = torch._foreach_norm(torch._foreach_sub(xs, refs))
+        return float(torch.linalg.vector_norm(torch.stack(norms).double()))
 
 
 def outer_schedule(k: int, *, L: int, nb: int, parle, optim, epochs: float) -> tuple:

@@ -152,11 +152,26 @@ def balance_steps(seconds_per_step: Sequence[float], *, total: int) -> list[int]
 
 # --------------------------------------------------------------------------- the update
 def _momentum(g: Tensor, v: Tensor, momentum: float, nesterov: bool) -> Tensor:
-    """``v = mu*v + g`` in place; the step direction ``g + mu*v`` (Nesterov) or ``v``."""
+    """``v = mu*v + g`` in place; the step direction ``g + mu*v`` (Nesterov) or ``v``.
+    One tensor (diloco.py); the update functions below use ``_momentum_foreach_``."""
     if momentum == 0.0:
         return g
     v.mul_(momentum).add_(g)
-    return g.add(v, alpha=momentum) if nesterov else v.clone()
+    return g.add(v, alpha=momentum) if nesterov else v
+
+
+def _momentum_foreach_(gs: List[Tensor], vs: List[Tensor], momentum: float, nesterov: bool) -> List[Tensor]:
+    """``v = mu*v + g`` in place on every ``vs``; returns the step directions: ``g + mu*v``
+    (Nesterov, in place on ``gs``, which the caller owns) or ``v`` itself (heavy ball: read,
+    never written after, so no copy)."""
+    if momentum == 0.0:
+        return gs
+    torch._foreach_mul_(vs, momentum)
+    torch._foreach_add_(vs, gs)
+    if not nesterov:
+        return vs
+    torch._foreach_add_(gs, vs, alpha=momentum)
+    return gs
 
 
 @torch.no_grad()
@@ -169,24 +184,28 @@ def parle_inner_step_(ys: List[Tensor], grads: List[Optional[Tensor]], xs: List[
         g = grad + wd*y + gk*(y - x);  v = mu*v + g;  g = g + mu*v (Nesterov) or v;  y -= lr*g
         y += sqrt(lr) * noise * N(0, I)        # Entropy-SGD's Langevin noise; off when noise = 0
 
-    A tensor whose grad is None (unused in this forward) gets only the decay and coupling terms."""
-    for y, gr, x, v in zip(ys, grads, xs, v_in):
-        g = torch.zeros_like(y) if gr is None else gr.clone()
-        if weight_decay != 0.0:
-            g.add_(y, alpha=weight_decay)
-        if gamma_inv != 0.0:
-            g.add_(y - x, alpha=gamma_inv)
-        y.add_(_momentum(g, v, momentum, nesterov), alpha=-lr)
-        if noise != 0.0:
-            eps = torch.randn(y.shape, generator=generator, dtype=y.dtype, device="cpu").to(y.device)
-            y.add_(eps, alpha=math.sqrt(lr) * noise)
+    Multi-tensor (``torch._foreach_*``, as torch.optim's SGD): one launch per operation for
+    all tensors, not one per tensor. A tensor whose grad is None (unused in this forward)
+    gets only the decay and coupling terms. The noise is drawn on the generator's device."""
+    if not ys:
+        return
+    g = [torch.zeros_like(y) if gr is None else gr for y, gr in zip(ys, grads)]
+    g = torch._foreach_add(g, ys, alpha=weight_decay) if weight_decay != 0.0 else [t.clone() for t in g]
+    if gamma_inv != 0.0:
+        torch._foreach_add_(g, torch._foreach_sub(ys, xs), alpha=gamma_inv)
+    torch._foreach_add_(ys, _momentum_foreach_(g, v_in, momentum, nesterov), alpha=-lr)
+    if noise != 0.0:
+        dev = generator.device if generator is not None else ys[0].device
+        eps = [torch.randn(y.shape, generator=generator, dtype=y.dtype, device=dev).to(y.device) for y in ys]
+        torch._foreach_add_(ys, eps, alpha=math.sqrt(lr) * noise)
 
 
 @torch.no_grad()
 def z_average_(zs: List[Tensor], ys: List[Tensor], *, alpha: float) -> None:
     """``z = alpha*z + (1 - alpha)*y``, in place on ``zs``."""
-    for z, y in zip(zs, ys):
-        z.mul_(alpha).add_(y, alpha=1.0 - alpha)
+    if zs:
+        torch._foreach_mul_(zs, alpha)
+        torch._foreach_add_(zs, ys, alpha=1.0 - alpha)
 
 
 @torch.no_grad()
@@ -196,11 +215,12 @@ def parle_outer_step_(xs: List[Tensor], zs: List[Tensor], xbars: List[Tensor],
     """The outer step, in place on ``xs`` and ``v_out``::
 
         d = (x - z) + rk*(x - xbar);  v = mu*v + d;  d = d + mu*v (Nesterov) or v;  x -= lr*d"""
-    for x, z, xb, v in zip(xs, zs, xbars, v_out):
-        d = x - z
-        if rho_inv != 0.0:
-            d.add_(x - xb, alpha=rho_inv)
-        x.add_(_momentum(d, v, momentum, nesterov), alpha=-lr)
+    if not xs:
+        return
+    d = torch._foreach_sub(xs, zs)
+    if rho_inv != 0.0:
+        torch._foreach_add_(d, torch._foreach_sub(xs, xbars), alpha=rho_inv)
+    torch._foreach_add_(xs, _momentum_foreach_(d, v_out, momentum, nesterov), alpha=-lr)
 
 
 # --------------------------------------------------------------------------- the class

@@ -44,7 +44,8 @@ from . import checkpoint, comm
 from .algorithms import ALGORITHMS
 from .checkpoint import CheckpointError
 from .config import Config, to_dict
-from .data import ReplicaSampler, augment_batch, common_nb, hold_out, load_dataset, replica_indices, to_input, _gen
+from .data import (ReplicaSampler, augment_batch, common_nb, hold_out, load_dataset, replica_indices, to_device,
+                   to_input, _gen)
 from .evaluation import evaluate, recompute_bn
 from .exchange import SLOT, Exchange, Plan, exchange_slots, outer_schedule, replica_distance, sync, sync_start
 from .parle import balance_steps
@@ -88,18 +89,20 @@ class InFlight:
     rows: Optional[torch.Tensor] = None
 
 
-def pick_device(want: str) -> torch.device:
-    """One GPU per rank (its local rank), or the CPU."""
+def pick_device(want: str, share: bool = False) -> torch.device:
+    """One GPU per rank (its local rank), or the CPU; with ``share`` (dist.share_device)
+    the local ranks take the GPUs round-robin."""
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RunError("dist.device: cuda requested but torch.cuda.is_available() is False")
     n = torch.cuda.device_count()
-    if comm.local_size() > n:
+    if comm.local_size() > n and not share:
         raise RunError(f"dist.device: {comm.local_size()} ranks on this host but {n} GPU(s); "
-                       f"start one rank per GPU")
-    torch.cuda.set_device(comm.local_rank())
-    return torch.device("cuda", comm.local_rank())
+                       f"start one rank per GPU (or set dist.share_device=true to share them, with Gloo)")
+    i = comm.local_rank() % n
+    torch.cuda.set_device(i)
+    return torch.device("cuda", i)
 
 
 class Trainer:
@@ -113,6 +116,10 @@ class Trainer:
         comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout)
         if cfg.dist.threads:
             torch.set_num_threads(cfg.dist.threads)
+        if cfg.run.deterministic:         # a GPU's kernels may pick algorithms by timing, or add atomically
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
         self.cfg = cfg
         self.rank, self.world = comm.rank(), comm.size()
         self.stop = StopSignal(self.rank)
@@ -151,7 +158,7 @@ class Trainer:
         cfg, rank, world = self.cfg, self.rank, self.world
         P, O = cfg.parle, cfg.optim
         self.dtype = dtype = getattr(torch, cfg.model.dtype)
-        self.dev = dev = pick_device(cfg.dist.device)
+        self.dev = dev = pick_device(cfg.dist.device, cfg.dist.share_device)
         algo_cls = ALGORITHMS[cfg.algo]
         self.replica_id, self.world0 = replica_id, world0
 
@@ -162,13 +169,15 @@ class Trainer:
                                    seed=cfg.train.seed)
             if cfg.data.val_frac:       # the same split on every rank: it depends on the seed only
                 self.ds = hold_out(self.ds, cfg.data.val_frac, seed=cfg.train.seed)
+            self.ds = to_device(self.ds, dev)     # a GPU rank: the data moves once, batches are made there
         ds = self.ds
         # dpsgd: frac = 1/n cuts disjoint shards that cover the data (data.window_bounds)
         split, frac = (("frac", 1.0 / world0) if algo_cls.shard_data and world0 > 1 else (cfg.data.split, cfg.data.frac))
         idx = replica_indices(len(ds.train_x), rank=replica_id, world=world0, split=split, frac=frac, seed=cfg.train.seed)
         # the same number of batches per pass on every replica, whatever its window's size
         nb = common_nb(len(ds.train_x), world=world0, split=split, frac=frac, batch_size=cfg.train.batch_size)
-        self.sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=replica_id, nb=nb)
+        self.sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=replica_id, nb=nb,
+                                      device=ds.train_x.device)
         self.nb = nb = self.sampler.nb
 
         # Replica: independent initialisation (seed + replica) unless asked to start from rank 0's.
@@ -191,7 +200,7 @@ class Trainer:
         self.model_t, self.ref_t = sync_tensors(self.model), sync_tensors(self.ref)
         self.ref_params = list(self.ref.parameters())
         self.ex = Exchange(world, rank, dtype)
-        self.aug_gen = _gen("augment", cfg.train.seed, replica_id)
+        self.aug_gen = _gen("augment", cfg.train.seed, replica_id, device=dev)
         self.n_params = sum(p.numel() for p in self.model.parameters())
 
         self.schedule = lambda k: outer_schedule(k, L=L, nb=nb, parle=P, optim=O, epochs=cfg.train.epochs)
@@ -494,11 +503,12 @@ class Trainer:
         """This replica's row in the sync: its losses, its flags, its speed, and (elastic mode,
         rank 0) the coordinator's news of hosts leaving or joining, acted on at this step's commit."""
         lt = torch.stack(losses).double()
-        finite = bool(torch.isfinite(lt).all()) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        ok = torch.stack([torch.isfinite(lt).all(), *(torch.isfinite(p).all() for p in self.model.parameters())]).all()
+        loss, loss_max, finite = torch.stack([lt.mean(), lt.max(), ok.double()]).tolist()   # one device sync
         stop = self.stop.requested is not None or _injected("PARLE_HVD_INJECT_STOP", self.rank, k)
         hosts = self.member.hosts_pending() if self.member is not None and self.member.commit_due(k) else 0.0
         fake = _fake_step_seconds(self.rank)
-        return {"loss": float(lt.mean()), "loss_max": float(lt.max()), "distance": self.dist_prev,
+        return {"loss": loss, "loss_max": loss_max, "distance": self.dist_prev,
                 "nonfinite": float(not finite), "stop": float(stop), "ckpt": float(self.ckpt_error is not None),
                 "hosts": hosts, "step_seconds": fake if fake is not None else t_inner / len(losses)}
 

@@ -155,3 +155,23 @@ def test_scoping_is_a_number_or_auto_and_val_frac_and_elastic_momentum_are_check
                      ("elastic.momentum=1.0", "elastic.momentum: must be in [0, 1)")):
         with pytest.raises(ConfigError, match=re.escape(key)):
             make_config(None, [bad])
+
+
+def test_a_bare_off_or_on_stays_a_word_where_a_string_is_expected(tmp_path):
+    """YAML 1.1 reads off/on as booleans: parle.balance=off must still mean "off" (it made
+    every rank exit 2 before), and a word outside the choices still names the field."""
+    assert make_config(None, ["parle.balance=off"]).parle.balance == "off"
+    assert make_config(None, ["parle.balance=time"]).parle.balance == "time"
+    f = tmp_path / "c.yaml"
+    f.write_text("parle:\n  balance: off\n")
+    assert make_config(str(f), []).parle.balance == "off"
+    with pytest.raises(ConfigError, match="parle.balance: must be one of off, time, got 'on'"):
+        make_config(None, ["parle.balance=on"])
+
+
+def test_exponent_without_a_dot_is_a_number():
+    """PyYAML (YAML 1.1) leaves 1e-4 a string; a float field takes it as the number a user means."""
+    assert make_config(None, ["optim.weight_decay=1e-4"]).optim.weight_decay == 1e-4
+    assert make_config(None, ["optim.lr=5E-2"]).optim.lr == 0.05
+    with pytest.raises(ConfigError, match="optim.weight_decay: expected a number, got '1e-4x'"):
+        make_config(None, ["optim.weight_decay=1e-4x"])

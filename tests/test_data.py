@@ -235,3 +235,46 @@ def test_validation_split_is_stratified_disjoint_and_fixed_by_the_seed():
     assert all(int(i) % 4 == int(l) for i, l in zip(a.val_x.flatten(), a.val_y))   # labels follow their images
     with pytest.raises(DataError, match="data.val_frac"):
         hold_out(Dataset("t", x[:3], y[:3], x[:1], y[:1], 4, (0.5,), (0.5,)), 0.1, seed=0)
+
+
+# --------------------------------------------------------------------------- data on the device (issue 14)
+def _tiny_ds():
+    from parle_hvd.data import Dataset
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (64, 1, 8, 8), generator=g, dtype=torch.uint8)
+    y = torch.randint(0, 10, (64,), generator=g)
+    return Dataset("tiny", x, y, x[:16].clone(), y[:16].clone(), 10, (0.5,), (0.25,), x[:8].clone(), y[:8].clone())
+
+
+def test_to_device_moves_every_tensor_once_and_batches_are_made_there():
+    from parle_hvd.data import to_device
+    ds = _tiny_ds()
+    assert to_device(ds, "cpu") is ds                       # already there: no copy at all
+    meta = torch.device("meta")                             # a device other than the CPU, without a GPU
+    dm = to_device(ds, meta)
+    assert all(getattr(dm, f).device == meta for f in ("train_x", "train_y", "test_x", "test_y", "val_x", "val_y"))
+    assert ds.train_x.device.type == "cpu"                   # the host copy is left as it was
+    s = ReplicaSampler(torch.arange(64), 16, seed=1, rank=0, device=meta)
+    b = s.next()
+    assert b.device == meta and dm.train_x[b].device == meta and dm.train_x[b].shape == (16, 1, 8, 8)
+    # the order is the CPU sampler's, moved once per pass, not per batch
+    ref = ReplicaSampler(torch.arange(64), 16, seed=1, rank=0)
+    assert s._order.device == meta and torch.equal(ref.next(), ReplicaSampler(torch.arange(64), 16, seed=1, rank=0).next())
+
+
+def test_to_input_constants_made_once_per_device_and_dtype():
+    from parle_hvd.data import _norm_constants
+    ds = _tiny_ds()
+    _norm_constants.cache_clear()
+    a = to_input(ds.train_x[:4], ds.mean, ds.std)
+    b = to_input(ds.train_x[4:8], list(ds.mean), list(ds.std))
+    info = _norm_constants.cache_info()
+    assert info.misses == 1 and info.hits == 1
+    want = (ds.train_x[:4].float() / 255 - 0.5) / 0.25
+    assert torch.allclose(a, want, atol=1e-5) and b.dtype == torch.float32
+
+
+def test_augment_draws_where_its_generator_lives():
+    x = _tiny_ds().train_x[:8]
+    g1, g2 = _gen("augment", 1, 0, device="cpu"), _gen("augment", 1, 0)
+    assert g1.device.type == "cpu" and torch.equal(augment_batch(x, g1), augment_batch(x, g2))

@@ -216,3 +216,29 @@ def test_validation_split_is_evaluated_beside_the_test_set(tmp_path):
     assert s["valid_accuracy"] == ev[-1]["valid/accuracy"] and 0 < s["valid_accuracy"] < 1
     assert s["test_accuracy"] == s["val_accuracy"] == ev[-1]["val/accuracy"]
     assert math.isfinite(s["valid_loss"]) and s["valid_accuracy"] != s["test_accuracy"]
+
+
+@needs_fashion
+def test_batches_on_the_models_device_and_the_data_moved_once(tmp_path, monkeypatch):
+    """Issue 14: the data goes to the rank's device once (data.to_device, at build), every
+    batch's indices and images come out on the model's device, and the training tensor is
+    the same storage from the first step to the last (no copy per step)."""
+    import parle_hvd.trainer as tr
+    from parle_hvd.data import to_device as real_to_device
+    moves, seen = [], []
+    monkeypatch.setattr(tr, "to_device", lambda ds, dev: moves.append(dev) or real_to_device(ds, dev))
+    real_next = ReplicaSampler.next
+
+    def spy(self):
+        b = real_next(self)
+        seen.append((b.device, trainer.ds.train_x.data_ptr(), trainer.ds.train_x[b].device))
+        return b
+    monkeypatch.setattr(ReplicaSampler, "next", spy)
+    cfg = _cfg(tmp_path, "data.train_limit=640", "data.test_limit=100", "parle.sync_period=4", "train.batch_size=32",
+               "train.epochs=1", "data.augment=true", "dist.device=cpu")
+    trainer = tr.Trainer(cfg)
+    trainer.run()
+    dev = next(trainer.model.parameters()).device
+    assert moves == [dev]                                   # once, to the model's device
+    assert len(seen) == 20 and {s[0] for s in seen} == {dev} and {s[2] for s in seen} == {dev}
+    assert len({s[1] for s in seen}) == 1                  # one storage: nothing copied per step

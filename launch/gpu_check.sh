@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU path, checked in one command on a machine with one GPU (issue 14):
+#   launch/gpu_check.sh                  # a CUDA torch already installed; no internet needed
+#   GPU_CHECK_DRY=1 launch/gpu_check.sh  # the same steps on the CPU at tiny sizes (part of make test)
+# Steps: (1) Horovod built with NCCL and Gloo against this machine's torch, by launch/setup.sh
+# (PARLE_HVD_CUDA=1 PARLE_HVD_NO_VENV=1; offline, give it the sdist: PARLE_HVD_SDIST=path/to/
+# horovod-0.28.1.tar.gz, or leave one in $PARLE_HVD_CACHE); (2) the unit tier with the device
+# set to CUDA; (3) every algorithm's samples per second beside plain SGD (bench.device_throughput:
+# LeNet, All-CNN-C, ResNet-18); (4) 2 ranks sharing the GPU under Gloo (NCCL refuses two ranks
+# on one device), the sync on CUDA tensors, with the run's allreduce count checked.
+# Writes gpu_check.log, throughput.txt and the 2-rank run under $OUT (a temporary folder if unset).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+DRY=${GPU_CHECK_DRY:-0}
+OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+step() { echo "== $(date -u +%H:%M:%S) $*"; }
+fail() { echo "gpu_check: $*" >&2; exit 1; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+if [[ $DRY == 1 ]]; then
+    PY=${PY:-.venv/bin/python}
+    DEVICE=cpu
+    step "dry run on the CPU (GPU_CHECK_DRY=1), $PY"
+else
+    PY=${PY:-python}
+    DEVICE=cuda
+    "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+        || fail "no CUDA device visible to $PY (torch.cuda.is_available() is False)"
+    step "1. Horovod with NCCL and Gloo against this machine's torch (launch/setup.sh)"
+    PARLE_HVD_CUDA=1 PARLE_HVD_NO_VENV=1 PARLE_HVD_SKIP_APT=${PARLE_HVD_SKIP_APT:-1} PYTHON="$PY" \
+        JOBS=${JOBS:-$(nproc)} launch/setup.sh
+fi
+"$PY" - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+PY
+HVD=$(dirname "$(command -v "$PY")")/horovodrun
+
+step "2. unit tier, device $DEVICE"
+if [[ $DRY == 1 ]]; then     # a few of each kind: the full tier already runs in make test
+    PARLE_HVD_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider tests/test_parle.py tests/test_models.py \
+        -k "hand or special or balance or lenet" -m "not multirank and not integration and not cluster"
+else
+    PARLE_HVD_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider -m "not multirank and not integration and not cluster"
+fi
+
+step "3. samples per second of every algorithm beside plain SGD, device $DEVICE"
+"$PY" -m bench.device_throughput --device "$DEVICE" $([[ $DRY == 1 ]] && echo --tiny) | tee "$OUT/throughput.txt"
+
+step "4. 2 ranks sharing the device under Gloo: the sync on $DEVICE tensors"
+run=$OUT/two_ranks
+rm -rf "$run"
+"$HVD" --gloo -np 2 -H localhost:2 "$PY" train.py --config configs/fashion_parle.yaml dist.device="$DEVICE" \
+    dist.share_device=true data.train_limit=2560 data.test_limit=500 parle.sync_period=5 train.batch_size=64 \
+    train.epochs=1 eval.every=1 run.progress=lines dist.threads=1 run.dir="$run"
+"$PY" - "$run" "$DEVICE" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1] + "/summary.json"))
+want = s["outer_steps"] + 1 + s["evaluations"]
+assert s["world_size"] == 2 and s["device"].startswith(sys.argv[2]), s["device"]
+assert s["allreduce_calls"] == want, (s["allreduce_calls"], want)
+print(f"two ranks on {s['device']}: {s['outer_steps']} outer steps, {s['allreduce_calls']} allreduces "
+      f"(= K + 1 + E), test accuracy {s['test_accuracy']:.4f}")
+PY
+step "done: log, throughput.txt and the 2-rank run in $OUT"

@@ -1,0 +1,28 @@
+"""launch/gpu_check.sh in its dry run (GPU_CHECK_DRY=1): the GPU check's every step, on the
+CPU at tiny sizes, so that the script a lent GPU machine runs is known to work end to end."""
+import re
+from pathlib import Path
+
+import pytest
+
+from multirank import ROOT, run_command
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+pytestmark = [pytest.mark.multirank,
+              pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")]
+
+
+def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
+    rc, out = run_command([str(ROOT / "launch/gpu_check.sh")], env={"GPU_CHECK_DRY": "1", "OUT": str(tmp_path)},
+                          timeout=400)
+    assert rc == 0, out
+    for s in ("== ", "2. unit tier, device cpu", "3. samples per second", "4. 2 ranks sharing the device"):
+        assert s in out, (s, out)
+    assert "1. Horovod" not in out                          # the dry run builds nothing
+    thr = (tmp_path / "throughput.txt").read_text()
+    algos = ("parle", "sgd", "dpsgd", "elastic", "entropy", "localsgd", "diloco")
+    for a in algos:                                          # every algorithm, beside plain SGD
+        assert re.search(rf"^lenet_{a}_samples_per_sec: [0-9.]+", thr, re.M), (a, thr)
+        assert re.search(rf"^lenet_{a}_ratio_to_sgd: [0-9.]+", thr, re.M), (a, thr)
+    assert re.search(r"two ranks on cpu: \d+ outer steps, \d+ allreduces \(= K \+ 1 \+ E\)", out), out
+    assert (tmp_path / "gpu_check.log").is_file() and (tmp_path / "two_ranks" / "summary.json").is_file()
