@@ -175,3 +175,13 @@ def test_exponent_without_a_dot_is_a_number():
     assert make_config(None, ["optim.lr=5E-2"]).optim.lr == 0.05
     with pytest.raises(ConfigError, match="optim.weight_decay: expected a number, got '1e-4x'"):
         make_config(None, ["optim.weight_decay=1e-4x"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("parle.overlap=true", "parle.overlap: not supported with dist.elastic"),
+    ("parle.balance=time", "parle.balance: not supported with dist.elastic"),
+])
+def test_overlap_and_balance_are_refused_in_elastic_mode(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        make_config(None, ["dist.elastic=true", override])
+    assert make_config(None, ["dist.elastic=true", override, "algo=localsgd"]).algo == "localsgd"   # Parle's keys only
