@@ -1,13 +1,13 @@
 """The algorithms the trainer can run (``algo=`` in the config), behind one small
 interface. The math lives in parle.py, easgd.py (Elastic-SGD) and diloco.py (pure functions, tested
 in float64); plain SGD steps use torch.optim.SGD; data-parallel SGD uses Horovod's
-DistributedOptimizer through comm.py. docs/algorithms.md describes each one.
+DistributedOptimizer or torch's DistributedDataParallel (comm.data_parallel). docs/algorithms.md describes each one.
 
 The trainer drives every algorithm the same way::
 
     for each outer step:
         algo.begin_outer()
-        L times: forward, backward, algo.inner_step(gk=, rk=, lr=, xbar=)
+        L times: forward (algo.module), backward, algo.inner_step(gk=, rk=, lr=, xbar=)
         algo.end_outer(xbar, rk=, lr=)
         if algo.syncs: one fused allreduce forms the reference; algo.after_sync(model_t, ref_t)
                        (with parle.overlap, for algorithms that ``overlaps``: started here and
@@ -41,6 +41,7 @@ class Algorithm:
     def __init__(self, model: nn.Module, cfg, world: int, rank: int):
         self.model, self.cfg, self.world, self.rank = model, cfg, world, rank
         self.params: List[torch.Tensor] = list(model.parameters())
+        self.module: nn.Module = model     # what the inner loop calls forward on (dpsgd: DDP's wrapper)
         self.L = 1
 
     def begin_outer(self) -> None:
@@ -283,9 +284,10 @@ class SGDAlgo(Algorithm):
 
 
 class DPSGDAlgo(SGDAlgo):
-    """Horovod's data-parallel SGD: one model (rank 0's initial state broadcast), each rank
-    a disjoint shard of the data, gradients averaged by hvd.DistributedOptimizer every step
-    (optional fp16 compression). dpsgd.lr_scale scales the lr with the world size."""
+    """Data-parallel SGD: one model (rank 0's initial state broadcast), each rank a
+    disjoint shard of the data, gradients averaged every step by Horovod's
+    DistributedOptimizer or by torch's DistributedDataParallel, by dist.engine (optional
+    fp16 compression). dpsgd.lr_scale scales the lr with the world size."""
     name = "dpsgd"
     same_init = True
     shard_data = True
@@ -294,7 +296,8 @@ class DPSGDAlgo(SGDAlgo):
         Algorithm.__init__(self, model, cfg, world, rank)
         self.L = cfg.train.block
         self.scale = {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[cfg.dpsgd.lr_scale]
-        self.opt = comm.distributed_optimizer(_sgd(self.params, cfg), model.named_parameters(), fp16=cfg.dpsgd.fp16)
+        self.module, self.opt = comm.data_parallel(model, _sgd(self.params, cfg), fp16=cfg.dpsgd.fp16,
+                                                   bucket_mb=cfg.dpsgd.bucket_mb)
 
     def inner_step(self, *, gk, rk, lr, xbar):
         _set_lr(self.opt, lr * self.scale)

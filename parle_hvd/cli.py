@@ -12,6 +12,7 @@ USAGE = """train.py [--config FILE] [--resume] [--elastic] [key.sub=value ...]
 
 Launch:
   horovodrun -np 2 -H localhost:2 python train.py --config configs/fashion_parle.yaml
+  torchrun --nproc-per-node 2 train.py --config configs/fashion_parle.yaml  # torch.distributed
   mpirun -np 4 -H node1:2,node2:2 python train.py --config configs/fashion_parle.yaml parle.sync_period=50
   python train.py --config configs/fashion_parle.yaml train.epochs=1      # one process
   PARLE_HVD_HOSTS_FILE=hosts.txt NP=4 MIN_NP=2 MAX_NP=8 launch/elastic.sh  # ranks may leave and join"""
@@ -26,7 +27,7 @@ def _let_rank0_speak(seconds: float = 3.0) -> None:
 
 
 def _rank_from_env() -> int:
-    for k in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+    for k in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK", "PMIX_RANK"):
         if k in os.environ:
             try:
                 return int(os.environ[k])

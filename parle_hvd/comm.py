@@ -1,24 +1,30 @@
-"""Every collective parle_hvd performs, and the only module that imports horovod.torch.
+"""Every collective parle_hvd performs, through one of two engines: Horovod (this module is
+the only one that imports horovod.torch) or torch.distributed (torchdist.py, the only
+module that calls it).
 
 Why one module: ranks must call collectives in the same order and the same number of
 times, or the job hangs. Keeping them all here makes that auditable, lets the rest of the
 package (models, math, data) import nothing distributed, and gives one place to count
-what crosses the network.
+what crosses the network. Both engines carry the same buffers, so the counters and the
+results are the same whichever carries them.
 
-At world size 1 without a launcher, Horovod is never imported or initialised and every
-collective returns its input untouched (and counts nothing: nothing was sent). Under
-``horovodrun``/``mpirun``/``srun`` (detected from the launcher's environment) or with
-``init(backend="horovod")`` Horovod is initialised.
+Which engine (``dist.engine``; the environment's ``PARLE_HVD_ENGINE`` when that is auto):
+* ``horovod``: under horovodrun, mpirun or srun. ``auto`` picks it there whenever Horovod
+  imports.
+* ``torch``: under torchrun (which Horovod cannot join), or mpirun/srun without Horovod,
+  or when asked. torchdist.py reads the world from the launcher's variables.
+At world size 1 without a launcher, neither is imported or initialised and every
+collective returns its input untouched (and counts nothing: nothing was sent).
 
 Wire formats:
-* ``fused_allreduce_`` packs every tensor into ONE flat buffer and issues ONE
-  ``hvd.allreduce`` (op Sum; ``fused_allreduce_start`` the same, asynchronous, waited on
-  later through the ``Pending`` it returns), then divides the "mean" part by the world size, so the
-  result is the exact mean of the ranks' values (one rounding, like a single division).
+* ``fused_allreduce_`` packs every tensor into ONE flat buffer and issues ONE allreduce
+  (op Sum; ``fused_allreduce_start`` the same, asynchronous, waited on later through the
+  ``Pending`` it returns), then divides the "mean" part by the world size, so the result
+  is the exact mean of the ranks' values (one rounding, like a single division).
   The buffer's dtype is the promotion of the inputs' dtypes, at least float32 (bfloat16
   and float16 are averaged in float32, which is exact for them and avoids depending on
-  Horovod's half-precision CPU kernels); integer tensors force float64 and are rounded
-  back to the nearest integer.
+  half-precision CPU kernels); integer tensors force float64 and are rounded back to the
+  nearest integer.
 * ``broadcast_`` packs every tensor's raw bytes into one uint8 buffer: exact for every
   dtype, one call.
 * ``broadcast_object`` pickles, then broadcasts the length and the payload: two calls.
@@ -32,8 +38,14 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-_hvd = None          # the horovod.torch module once initialised, else None
-_launched_env = ("HOROVOD_RANK", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+_eng = None          # the engine once initialised (_Horovod or torchdist.TorchEngine), else None
+_launched_env = ("HOROVOD_RANK", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+                 "MV2_COMM_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+ENGINES = ("auto", "horovod", "torch")
+
+
+class EngineError(RuntimeError):
+    """The engine asked for cannot run here (one line for the user)."""
 
 
 @dataclass
@@ -61,27 +73,136 @@ _stats = CommStats()
 
 
 def launched() -> bool:
-    """True when a launcher (horovodrun, mpirun, srun with PMI/PMIx) started this process."""
-    return any(k in os.environ for k in _launched_env)
+    """True when a launcher (horovodrun, mpirun, srun with PMI/PMIx, torchrun) started this process."""
+    if any(k in os.environ for k in _launched_env):
+        return True
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) or (
+        "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1)
 
 
-def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0) -> None:
-    """Initialise Horovod when launched by one (``backend="auto"``), always
-    (``"horovod"``) or never (``"none"``; world size 1). Idempotent. ``timeout`` > 0 sets
-    Horovod's stall warning (60 s) and stall shutdown (``timeout``) unless the environment
-    already does; under Gloo Horovod never acts on them, which is what the trainer's
-    watchdog is for."""
-    global _hvd
-    if backend not in ("auto", "horovod", "none"):
-        raise ValueError(f"dist.backend must be auto, horovod or none, not {backend!r}")
-    if _hvd is None and (backend == "horovod" or (backend == "auto" and launched())):
+def horovod_available() -> bool:
+    try:
+        import horovod.torch  # noqa: F401  (a probe; _Horovod imports it for use)
+        return True
+    except (ImportError, OSError):     # not installed, or built against another torch
+        return False
+
+
+def resolve_engine(engine: str = "auto") -> str:
+    """The engine a launched process uses: ``engine``, or for auto the environment's
+    PARLE_HVD_ENGINE, or what the launcher allows (Horovod when it imports, except under
+    torchrun). Raises EngineError when the launcher and the engine do not go together."""
+    if engine not in ENGINES:
+        raise EngineError(f"dist.engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if engine == "auto":
+        engine = os.environ.get("PARLE_HVD_ENGINE", "auto") or "auto"
+        if engine not in ENGINES:
+            raise EngineError(f"PARLE_HVD_ENGINE must be one of {', '.join(ENGINES)}, not {engine!r}")
+    from .torchdist import torchrun_launched
+    under_torchrun = torchrun_launched() and "HOROVOD_RANK" not in os.environ
+    if engine == "auto":
+        if under_torchrun:
+            return "torch"
+        return "horovod" if "HOROVOD_RANK" in os.environ or horovod_available() else "torch"
+    if engine == "horovod" and under_torchrun:
+        raise EngineError("dist.engine=horovod: this process was started by torchrun, which Horovod cannot join; "
+                          "launch with horovodrun or mpirun, or use dist.engine=torch")
+    if engine == "torch" and "HOROVOD_RANK" in os.environ:
+        raise EngineError("dist.engine=torch: this process was started by horovodrun, whose ranks only Horovod "
+                          "joins; launch with torchrun (launch/torchrun.sh), mpirun or srun")
+    if engine == "horovod" and not horovod_available():
+        raise EngineError("dist.engine=horovod: Horovod is not installed (make setup builds it; "
+                          "PARLE_HVD_ENGINE=torch make setup skips it); use dist.engine=torch")
+    return engine
+
+
+class _Horovod:
+    """Horovod's operations by the names comm.py uses (torchdist.TorchEngine has the same)."""
+    name = "horovod"
+
+    def __init__(self, timeout: float = 0.0):
         if timeout > 0:
             os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, timeout))))
             os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout)))
         import horovod.torch as hvd  # the one import of horovod.torch in parle_hvd
 
         hvd.init()
-        _hvd = hvd
+        self.hvd = hvd
+
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def local_rank(self) -> int:
+        return self.hvd.local_rank()
+
+    def local_size(self) -> int:
+        return self.hvd.local_size()
+
+    def controller(self) -> str:
+        return "mpi" if self.hvd.mpi_enabled() else "gloo"
+
+    def allreduce_sum_start(self, flat, name):
+        return self.hvd.allreduce_async(flat, op=self.hvd.Sum, name=f"parle_hvd.{name}")   # all ranks reach this
+
+    def allreduce_wait(self, handle, flat):
+        return self.hvd.synchronize(handle)
+
+    def allreduce_mean(self, t, name):
+        return self.hvd.allreduce(t.detach(), op=self.hvd.Average, name=f"parle_hvd.{name}")   # all ranks reach this
+
+    def broadcast(self, flat, root, name):
+        return self.hvd.broadcast(flat, root_rank=root, name=f"parle_hvd.{name}")   # all ranks reach this
+
+    def data_parallel(self, model, opt, *, fp16: bool, bucket_mb: float, count):
+        """Horovod's DistributedOptimizer: gradients allreduced in backward hooks, waited
+        for in ``step()``; the model is used as it is. ``count`` is told, at each step, of
+        one allreduce per parameter tensor (Horovod's API calls; its tensor fusion may merge
+        them on the wire) and their bytes (2 per element with fp16)."""
+        hvd = self.hvd
+        named = list(model.named_parameters())
+        comp = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+        dopt = hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp, op=hvd.Average)
+        params = [p for _, p in named if p.requires_grad]
+        per_step = sum(p.numel() * (2 if fp16 and p.is_floating_point() and p.element_size() > 2 else p.element_size())
+                       for p in params)
+        inner_step = dopt.step
+
+        def step(*args, **kwargs):
+            out = inner_step(*args, **kwargs)   # all ranks reach this (waits for the hooks' allreduces)
+            count(len(params), per_step)
+            return out
+
+        dopt.step = step
+        return model, dopt
+
+    def shutdown(self) -> None:
+        self.hvd.shutdown()
+
+
+def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, engine: str = "auto",
+         gpu_backend: str = "nccl") -> None:
+    """Join the job's world when a launcher started this process (``backend="auto"``),
+    always (``"horovod"``: Horovod even without a launcher) or never (``"none"``; world
+    size 1), through ``engine`` (``resolve_engine``). Idempotent. ``timeout`` > 0 sets
+    Horovod's stall warning (60 s) and stall shutdown (``timeout``) unless the environment
+    already does, or Gloo's timeout a minute after it under torch.distributed; the
+    trainer's watchdog acts first. ``gpu_backend``: torch.distributed's for CUDA tensors."""
+    global _eng
+    if backend not in ("auto", "horovod", "none"):
+        raise ValueError(f"dist.backend must be auto, horovod or none, not {backend!r}")
+    if _eng is None and (backend == "horovod" or (backend == "auto" and launched())):
+        name = "horovod" if backend == "horovod" else resolve_engine(engine)
+        if name == "horovod":
+            _eng = _Horovod(timeout)
+        else:
+            from .torchdist import TorchEngine, WorldError
+            try:
+                _eng = TorchEngine(timeout, gpu_backend)
+            except WorldError as e:
+                raise EngineError(str(e)) from None
     if set_threads:
         set_threads_per_rank()
 
@@ -93,34 +214,38 @@ def set_threads_per_rank() -> None:
 
 
 def is_initialized() -> bool:
-    return _hvd is not None
+    return _eng is not None
+
+
+def engine() -> str:
+    """'horovod', 'torch', or 'none' (world size 1 without a launcher)."""
+    return _eng.name if _eng else "none"
 
 
 def rank() -> int:
-    return _hvd.rank() if _hvd else 0
+    return _eng.rank() if _eng else 0
 
 
 def size() -> int:
-    return _hvd.size() if _hvd else 1
+    return _eng.size() if _eng else 1
 
 
 def local_rank() -> int:
-    return _hvd.local_rank() if _hvd else 0
+    return _eng.local_rank() if _eng else 0
 
 
 def local_size() -> int:
-    return _hvd.local_size() if _hvd else 1
+    return _eng.local_size() if _eng else 1
 
 
 def controller() -> str:
-    """'mpi', 'gloo' or 'none' (world size 1 without Horovod)."""
-    if not _hvd:
-        return "none"
-    return "mpi" if _hvd.mpi_enabled() else "gloo"
+    """Who carries the bytes: 'mpi' or 'gloo' (Horovod's controllers), 'gloo' or
+    'gloo+nccl' (torch.distributed's backends), 'none' (world size 1)."""
+    return _eng.controller() if _eng else "none"
 
 
 def _active() -> bool:
-    return _hvd is not None and _hvd.size() > 1
+    return _eng is not None and _eng.size() > 1
 
 
 def stats() -> CommStats:
@@ -137,6 +262,11 @@ def load_stats(d: dict) -> None:
     """Restore counters (e.g. from a checkpoint) so a resumed run reports its total."""
     global _stats
     _stats = CommStats(**{k: int(d[k]) for k in asdict(_stats)})
+
+
+def _count_allreduce(calls: int, nbytes: int) -> None:
+    _stats.allreduce_calls += calls
+    _stats.allreduce_bytes += nbytes
 
 
 def _wire_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
@@ -162,9 +292,9 @@ class Pending:
             return
         flat = self.flat
         if self.handle is not None:
-            flat = _hvd.synchronize(self.handle)       # the same call on every rank: the one started
+            flat = _eng.allreduce_wait(self.handle, flat)   # the same call on every rank: the one started
             if self.n_mean:
-                flat[:self.n_mean].div_(_hvd.size())
+                flat[:self.n_mean].div_(_eng.size())
         off = 0
         for t in self.means + self.sums:
             seg = flat[off:off + t.numel()].view_as(t)
@@ -195,9 +325,8 @@ def fused_allreduce_start(means: Sequence[torch.Tensor] = (), sums: Sequence[tor
     flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=wire) for t in tensors])
     if not _active():
         return Pending(flat, None, outs, sums, n_mean)
-    handle = _hvd.allreduce_async(flat, op=_hvd.Sum, name=f"parle_hvd.{name}")   # all ranks reach this
-    _stats.allreduce_calls += 1
-    _stats.allreduce_bytes += flat.numel() * flat.element_size()
+    handle = _eng.allreduce_sum_start(flat, name)   # all ranks reach this
+    _count_allreduce(1, flat.numel() * flat.element_size())
     return Pending(flat, handle, outs, sums, n_mean)
 
 
@@ -231,9 +360,8 @@ def allreduce_each_(tensors: Sequence[torch.Tensor], *, name: str = "each") -> N
     if not _active():
         return
     for i, t in enumerate(tensors):
-        out = _hvd.allreduce(t.detach(), op=_hvd.Average, name=f"parle_hvd.{name}.{i}")   # all ranks reach this
-        _stats.allreduce_calls += 1
-        _stats.allreduce_bytes += out.numel() * out.element_size()
+        out = _eng.allreduce_mean(t, f"{name}.{i}")   # all ranks reach this
+        _count_allreduce(1, out.numel() * out.element_size())
         with torch.no_grad():
             t.copy_(out)
 
@@ -246,7 +374,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], root: int = 0, *, name: str = "b
         return
     flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tensors])
     # all ranks reach this
-    flat = _hvd.broadcast(flat, root_rank=root, name=f"parle_hvd.{name}")
+    flat = _eng.broadcast(flat, root, name)
     _stats.broadcast_calls += 1
     _stats.broadcast_bytes += flat.numel()
     off = 0
@@ -273,36 +401,29 @@ def broadcast_object(obj: Any = None, root: int = 0, *, name: str = "obj") -> An
     return pickle.loads(buf.numpy().tobytes())
 
 
-def distributed_optimizer(opt: torch.optim.Optimizer, named_parameters, *, fp16: bool = False):
-    """Horovod's data-parallel optimizer (gradients averaged by allreduce in backward hooks,
-    every step), counted: each ``step()`` adds one allreduce per parameter tensor (Horovod's
-    API call; its tensor fusion may merge them on the wire) and their bytes on the wire
-    (2 per element with fp16 compression). At world size 1 the optimizer is returned as is.
-    All ranks call ``step()`` the same number of times."""
+def data_parallel(model: torch.nn.Module, opt: torch.optim.Optimizer, *, fp16: bool = False,
+                  bucket_mb: float = 25.0):
+    """Data-parallel SGD's wrapping, by engine: returns ``(module, optimizer)``; train with
+    ``module(x)`` and ``optimizer.step()``. Horovod: the model as it is and Horovod's
+    DistributedOptimizer (an allreduce per gradient tensor, every step, counted at
+    ``step()``). torch: DistributedDataParallel (gradient buckets of ``bucket_mb`` MB
+    allreduced during backward, each bucket counted as it goes) and the optimizer as it
+    is. ``fp16`` halves the gradients' bytes on the wire. At world size 1 both are
+    returned as they are. All ranks run the same steps."""
     if not _active():
-        return opt
-    named = list(named_parameters)
-    comp = _hvd.Compression.fp16 if fp16 else _hvd.Compression.none
-    dopt = _hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp, op=_hvd.Average)
-    params = [p for _, p in named if p.requires_grad]
-    per_step = sum(p.numel() * (2 if fp16 and p.is_floating_point() and p.element_size() > 2 else p.element_size())
-                   for p in params)
-    inner_step = dopt.step
-
-    def step(*args, **kwargs):
-        out = inner_step(*args, **kwargs)   # all ranks reach this (waits for the hooks' allreduces)
-        _stats.allreduce_calls += len(params)
-        _stats.allreduce_bytes += per_step
-        return out
-
-    dopt.step = step
-    return dopt
+        return model, opt
+    return _eng.data_parallel(model, opt, fp16=fp16, bucket_mb=bucket_mb, count=_count_allreduce)
 
 
 # --------------------------------------------------------------------------- elastic mode
 def elastic_launched() -> bool:
     """True when horovodrun started this process in elastic mode (--min-np, discovery script)."""
     return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this job's workers (0 elsewhere)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def elastic_state(*, save, restore, sync, reset):
@@ -358,15 +479,15 @@ def elastic_run(fn, state, *args, **kwargs):
     """``hvd.elastic.run``: call ``fn(state, ...)``; when a rank fails (HorovodInternalError)
     restore the last commit, re-form the world and sync; when hosts change (interrupt raised
     by ``state.commit``) re-form the world and sync. Returns ``fn``'s result."""
-    return _hvd.elastic.run(fn)(state, *args, **kwargs)
+    return _eng.hvd.elastic.run(fn)(state, *args, **kwargs)
 
 
 def shutdown() -> None:
-    """Shut Horovod down without a barrier (a barrier would hang if a rank already died)."""
-    global _hvd
-    if _hvd is not None:
-        _hvd.shutdown()
-        _hvd = None
+    """Leave the world without a barrier (a barrier would hang if a rank already died)."""
+    global _eng
+    if _eng is not None:
+        _eng.shutdown()
+        _eng = None
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -376,6 +497,7 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
 __all__ = [
     "CommStats", "launched", "init", "is_initialized", "rank", "size", "local_rank", "local_size",
     "controller", "stats", "reset_stats", "load_stats", "fused_allreduce_", "allreduce_mean_",
-    "allreduce_sum_", "allreduce_each_", "broadcast_", "broadcast_object", "distributed_optimizer", "shutdown", "nbytes",
+    "allreduce_sum_", "allreduce_each_", "broadcast_", "broadcast_object", "data_parallel", "shutdown", "nbytes",
+    "engine", "resolve_engine", "horovod_available", "EngineError", "ENGINES",
     "elastic_launched", "elastic_state", "elastic_run",
 ]

@@ -170,9 +170,14 @@ class DiLoCoConfig:
 
 @dataclass
 class DPSGDConfig:
-    fp16: bool = _f(False, "compress gradients to float16 on the wire (hvd.Compression.fp16)")
+    fp16: bool = _f(False, "compress gradients to float16 on the wire (hvd.Compression.fp16; a DDP hook under torch)")
+    bucket_mb: float = _f(25.0, "dist.engine=torch: DistributedDataParallel's gradient bucket size in MB "
+                          "(bucket_cap_mb; Horovod's counterpart is HOROVOD_FUSION_THRESHOLD)")
     lr_scale: str = _f("none", "scale optim.lr with the world size n: none, linear (lr*n) or sqrt (lr*sqrt(n))",
                        ["none", "linear", "sqrt"])
+
+    def __post_init__(self):
+        _check(self.bucket_mb > 0, "dpsgd.bucket_mb", f"must be > 0, got {self.bucket_mb}")
 
 
 @dataclass
@@ -224,8 +229,11 @@ class RunConfig:
 
 @dataclass
 class DistConfig:
-    backend: str = _f("auto", "auto: Horovod when started by horovodrun/mpirun/srun; none: one process",
-                      ["auto", "horovod", "none"])
+    backend: str = _f("auto", "auto: join the job when started by horovodrun/mpirun/srun/torchrun; none: one process; "
+                      "horovod: Horovod even without a launcher", ["auto", "horovod", "none"])
+    engine: str = _f("auto", "who carries the collectives: horovod, torch (torch.distributed: Gloo on CPUs, NCCL on "
+                     "GPUs), auto (the environment's PARLE_HVD_ENGINE if set, else torch under torchrun and Horovod "
+                     "under horovodrun/mpirun/srun when it is installed)", ["auto", "horovod", "torch"])
     threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
     timeout: float = _f(300.0, "seconds any collective may wait before the run fails naming the silent rank "
                         "(0 = wait forever); also Horovod's stall shutdown time")

@@ -1,12 +1,12 @@
-"""Run a launcher (horovodrun, mpirun, srun) so that a failed job ends with the failing
+"""Run a launcher (horovodrun, mpirun, srun, torchrun) so that a failed job ends with the failing
 rank's own line and exits with its code, not with the launcher's traceback.
 
     python -m parle_hvd.launcher -- horovodrun --gloo -np 2 -H localhost:2 python train.py ...
 
-Used by launch/local.sh, launch/mpirun.sh and launch/slurm.sbatch. Every rank's output
+Used by launch/local.sh, launch/mpirun.sh, launch/torchrun.sh and launch/slurm.sbatch. Every rank's output
 passes through at once, unchanged. The launcher's own report of a failure (horovodrun's
-Python traceback and its "Process N exit with status code" lines, mpirun's dashed
-banners, srun's "srun: error:" lines) is held back; when the job ends:
+and torchrun's Python tracebacks, horovodrun's "Process N exit with status code" lines,
+mpirun's dashed banners, srun's "srun: error:" lines) is held back; when the job ends:
 
 * the job failed and a rank printed ``error: ...``: the report goes to a log file (its
   path in one line), then the failing rank's own ``error:`` line is printed again, last,
@@ -34,12 +34,14 @@ _ERROR = re.compile(rb"^error: ")
 # The launcher's own lines about a failure.
 _REPORT_LINE = [re.compile(p) for p in (rb"^Process \d+ exit with status code \d+\.",
                                         rb"^Terminating remaining workers after failure",
-                                        rb"^srun: ")]
+                                        rb"^srun: ",
+                                        rb"^[WEI]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/")]   # torchrun's agent
 _TRACEBACK = re.compile(rb"^Traceback \(most recent call last\):")
 _BANNER = re.compile(rb"^-{20,}\s*$")
-_EXIT_CODE = [re.compile(p) for p in (rb"Exit code:\s*(\d+)", rb"exit(?:ed)? with (?:status|exit) code (\d+)")]
+_EXIT_CODE = [re.compile(p) for p in (rb"Exit code:\s*(\d+)", rb"exit(?:ed)? with (?:status|exit) code (\d+)",
+                                      rb"exitcode\s*:\s*(\d+)")]          # the last: torchrun's "Root Cause"
 _FIRST_RANK = [re.compile(p) for p in (rb"Process name:\s*(\d+)\s*$", rb"Process name:\s*\[\[\d+,\d+\],(\d+)\]",
-                                       rb"task (\d+): Exited with exit code")]
+                                       rb"task (\d+): Exited with exit code", rb"rank\s*:\s*(\d+) \(local_rank")]
 
 
 class _Filter:

@@ -1,4 +1,5 @@
-"""Elastic mode (``dist.elastic``): Horovod's elastic membership around the trainer's loop.
+"""Elastic mode (``dist.elastic``): Horovod's elastic membership around the trainer's loop,
+or (``dist.engine=torch``) torchrun's restart-based one.
 
 Not to be confused with Elastic-SGD, the algorithm (easgd.py): here "elastic" is
 Horovod's word for a world whose ranks may fail, leave or join while the job runs.
@@ -12,6 +13,14 @@ host memory. When a rank fails, the others go back to their last commit in a sma
 world; a rank that joins builds a replica and starts it at the reference; when replicas
 are lost the reference is re-formed from those that remain. docs/robustness.md, "Elastic
 mode", has the details and what is tested.
+
+Under torchrun (``restarts=True``) there is no membership change inside a job: torchrun's
+elastic agent (``--nnodes=MIN:MAX --max-restarts=N``) restarts every worker when one fails
+or a node joins or leaves, and each restart resumes from the newest complete checkpoint,
+whatever number of ranks wrote it. ``sync`` does the same as at Horovod's start: replicas
+in the checkpoint go on, a rank beyond them starts at the reference, and a reference that
+averaged lost replicas is re-formed from those that remain. A failure replays from the
+last checkpoint (``run.ckpt_every``), not from a commit in memory.
 """
 from __future__ import annotations
 
@@ -42,25 +51,33 @@ class Membership:
     """Horovod's elastic State for one rank's ``Trainer`` (``t``): its save/restore/sync/reset
     callbacks, and the commit at the end of an outer step (``commit_step``)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, restarts: bool = False):
         self.t = trainer
+        self.restarts = restarts     # torchrun's agent: no commits, no in-job changes
         self.committed = None        # this rank's last commit
         self.events: list = []       # every change of the world, for the summary
         self.commit_seconds = 0.0    # time spent committing (this process)
         self.restored = False
         self.removal_only = False    # the interrupt in flight removes hosts only (no sync follows)
-        self.state = comm.elastic_state(save=self.commit, restore=self.restore, sync=self.sync, reset=self.on_reset)
+        self.state = None if restarts else comm.elastic_state(save=self.commit, restore=self.restore, sync=self.sync,
+                                                              reset=self.on_reset)
 
     def run(self) -> dict:
+        if self.restarts:
+            self.sync()                # all ranks reach this
+            if comm.restart_count():
+                self.events.append({"step": self.t.k, "world": self.t.world, "why": "torchrun restart",
+                                    "restart": comm.restart_count(), "checkpoint_world": self.t.ckpt_world})
+            return self.t.loop()
         return comm.elastic_run(lambda state: self.t.loop(), self.state)
 
     # ----------------------------------------------------------------------- in the loop
     def commit_due(self, k: int) -> bool:
-        return k % self.t.cfg.dist.elastic_commit_every == 0 or k == self.t.K
+        return not self.restarts and (k % self.t.cfg.dist.elastic_commit_every == 0 or k == self.t.K)
 
     def hosts_pending(self) -> float:
         """Rank 0's news from the coordinator of hosts leaving or joining (its slot row)."""
-        return float(self.state.host_update_pending()) if self.t.rank == 0 else 0.0
+        return float(self.state.host_update_pending()) if self.t.rank == 0 and self.state else 0.0
 
     def commit_step(self, rows) -> None:
         """Commit, then leave for a re-formed world if the coordinator heard of host

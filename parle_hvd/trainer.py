@@ -33,6 +33,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -113,7 +114,11 @@ class Trainer:
     ``Membership`` (membership.py), whose ``sync`` takes the place of ``start()``."""
 
     def __init__(self, cfg: Config):
-        comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout)
+        try:
+            comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout,
+                      engine=cfg.dist.engine, gpu_backend="gloo" if cfg.dist.share_device else "nccl")
+        except comm.EngineError as e:
+            raise RunError(str(e)) from None
         if cfg.dist.threads:
             torch.set_num_threads(cfg.dist.threads)
         if cfg.run.deterministic:         # a GPU's kernels may pick algorithms by timing, or add atomically
@@ -143,10 +148,29 @@ class Trainer:
                                f"launched with {self.world} (override dist.expect_ranks=0 to run anyway)")
             self.start()
             return self.loop()
+        if comm.engine() == "torch":
+            return self._run_torchrun_elastic()
         if not comm.elastic_launched():
             raise RunError("dist.elastic: start the job with horovodrun's elastic mode (launch/elastic.sh: "
                            "--min-np, --max-np, --host-discovery-script)")
         self.member = Membership(self)
+        return self.member.run()
+
+    def _run_torchrun_elastic(self) -> dict:
+        """torchrun's elastic agent restarts every worker after a failure or a change of
+        nodes; a restart resumes from the newest complete checkpoint in the run directory
+        (which, with run.dir unset, is named after the rendezvous id, the same in every
+        restart), whatever number of ranks wrote it."""
+        cfg = self.cfg
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id is None:
+            raise RunError("dist.elastic with dist.engine=torch: start the job with torchrun "
+                           "(launch/torchrun.sh: --nnodes=MIN:MAX --max-restarts=N)")
+        if not cfg.run.dir:
+            cfg.run.dir = str(Path("runs") / f"{cfg.run.name}-torchrun-{run_id}")
+        if comm.restart_count() and checkpoint.latest_complete_any(Path(cfg.run.dir)) is not None:
+            cfg.run.resume = True          # rank 0's view decides (start_run sends its config)
+        self.member = Membership(self, restarts=True)
         return self.member.run()
 
     # ----------------------------------------------------------------------- building
@@ -227,7 +251,7 @@ class Trainer:
         cfg = self.cfg
         return {"config": to_dict(cfg), "versions": versions(), "git_sha": git_sha(), "world_size": self.world,
                 "device": str(self.dev), "algo": cfg.algo, "elastic": cfg.dist.elastic,
-                "controller": comm.controller(), "outer_steps": self.K, "inner_steps_per_outer": self.L,
+                "engine": comm.engine(), "controller": comm.controller(), "outer_steps": self.K, "inner_steps_per_outer": self.L,
                 "overlap": self.overlap, "balance": "time" if self.balance else "off",
                 "batches_per_pass": self.nb, "params": self.n_params, "resumed_from": self.resumed_from}
 
@@ -297,7 +321,7 @@ class Trainer:
             (self.run_dir / ("run.json" if resume_step is None else f"run-resume-{resume_step}.json")).write_text(
                 json.dumps(header, indent=2))
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-            log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.controller()}{', elastic' if self.member else ''}, "
+            log.info(f"parle_hvd: {cfg.algo}, {world} rank(s) [{comm.engine()} {comm.controller()}{', elastic' if self.member else ''}, "
                      f"{self.dev}], {self.K} outer steps of {self.L} inner steps, {self.nb} batches/pass, "
                      f"run dir {self.run_dir}")
             log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
@@ -477,7 +501,7 @@ class Trainer:
             xb = ds.train_x[b]
             if cfg.data.augment:
                 xb = augment_batch(xb, self.aug_gen)
-            out = model(to_input(xb.to(dev, non_blocking=True), ds.mean, ds.std, dtype))
+            out = algo.module(to_input(xb.to(dev, non_blocking=True), ds.mean, ds.std, dtype))
             loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
             model.zero_grad(set_to_none=True)
             loss.backward()
@@ -654,7 +678,8 @@ class Trainer:
                    "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,
                    "final_replica_distance": self.spread[0], "final_replica_distance_max": self.spread[1],
                    "params": self.n_params, "world_size": self.world, "algo": cfg.algo,
-                   "controller": comm.controller(), "device": str(self.dev), "resumed_from": self.resumed_from,
+                   "engine": comm.engine(), "controller": comm.controller(), "device": str(self.dev),
+                   "resumed_from": self.resumed_from,
                    "elastic": cfg.dist.elastic, "elastic_events": self.member.events if self.member else [],
                    "elastic_commit_seconds": self.member.commit_seconds if self.member else 0.0,
                    "config": to_dict(cfg)}

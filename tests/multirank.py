@@ -4,6 +4,10 @@ never let a hang eat the CI budget.
     results = run_ranks("tests/ranks/comm_check.py", controller="gloo", np=2)
     results[0]["..."]      # what rank 0 passed to report()
 
+Controllers: "gloo" (horovodrun --gloo) and "mpi" (mpirun) run Horovod's engine;
+"torchrun" (torchrun --standalone) and "mpi-torch" (mpirun with PARLE_HVD_ENGINE=torch)
+run torch.distributed's. ENGINE_OF names each one's engine.
+
 A rank script calls ``report(obj)`` (from ``tests/ranks/_rank.py``) which writes
 ``$PARLE_TEST_OUT/rank<r>.json``. The launcher runs in its own session; on timeout the
 whole process tree (launcher, its ssh/exec helpers, every rank, and anything in their
@@ -35,12 +39,24 @@ class MultiRankError(AssertionError):
     pass
 
 
+ENGINE_OF = {"gloo": "horovod", "mpi": "horovod", "torchrun": "torch", "mpi-torch": "torch"}
+
+
+def horovod_installed() -> bool:
+    """Whether this venv has Horovod (``PARLE_HVD_ENGINE=torch make setup`` skips it)."""
+    import importlib.util
+    return importlib.util.find_spec("horovod") is not None
+
+
 def launcher_cmd(controller: str, np: int) -> list[str]:
+    if controller == "torchrun":
+        # --standalone: a local rendezvous on a free port; --no-python: the command follows
+        return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(np), "--no-python"]
     if controller == "gloo":
         return [str(VENV_BIN / "horovodrun"), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
-    if controller == "mpi":
+    if controller in ("mpi", "mpi-torch"):
         return ["mpirun", "-np", str(np), "--oversubscribe", "--bind-to", "none", "--tag-output",
-                "-x", "PATH", "-x", "PYTHONPATH", "-x", "PARLE_TEST_OUT", "-x", "OMPI_MCA_btl",
+                "-x", "PATH", "-x", "PYTHONPATH", "-x", "PARLE_TEST_OUT", "-x", "OMPI_MCA_btl", "-x", "PARLE_HVD_ENGINE",
                 "-x", "HOROVOD_STALL_CHECK_TIME_SECONDS", "-x", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]
     raise ValueError(controller)
 
@@ -98,7 +114,7 @@ class RankJob:
     """A launched multi-rank job: ``wait`` (kills the tree on timeout), ``kill``, ``output``."""
 
     def __init__(self, argv, *, controller: str = "gloo", np: int = 2, env: dict | None = None,
-                 out_dir: Path | None = None):
+                 out_dir: Path | None = None, launcher_args=()):
         self.controller, self.np = controller, np
         self.out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="parle_mr_"))
         self.out.mkdir(parents=True, exist_ok=True)
@@ -109,10 +125,12 @@ class RankJob:
         e["PATH"] = f"{VENV_BIN}{os.pathsep}{e['PATH']}"
         e.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "10")
         e.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+        if controller == "mpi-torch":
+            e["PARLE_HVD_ENGINE"] = "torch"
         if env:
             e.update(env)
         self.name = Path(str(argv[0])).name
-        cmd = launcher_cmd(controller, np) + [sys.executable, *map(str, argv)]
+        cmd = launcher_cmd(controller, np) + list(launcher_args) + [sys.executable, *map(str, argv)]
         self.log = self.out / "launcher.log"
         self._fh = open(self.log, "wb")
         self.t0 = time.monotonic()

@@ -7,9 +7,11 @@ import time
 import psutil
 import pytest
 
-from multirank import ROOT, MultiRankError, run_ranks
+from multirank import ENGINE_OF, ROOT, MultiRankError, horovod_installed, run_ranks
 
-CONTROLLERS = ["gloo", "mpi"]
+# Horovod's engine under horovodrun --gloo and mpirun; torch.distributed's under torchrun and mpirun
+HVD = pytest.mark.skipif(not horovod_installed(), reason="Horovod-only: not installed (PARLE_HVD_ENGINE=torch setup)")
+CONTROLLERS = [pytest.param("gloo", marks=HVD), pytest.param("mpi", marks=HVD), "torchrun", "mpi-torch"]
 
 
 @pytest.mark.multirank
@@ -18,7 +20,8 @@ def test_collectives_exact(controller):
     res = run_ranks(ROOT / "tests/ranks/comm_check.py", controller=controller, np=2, timeout=120)
     assert [r["rank"] for r in res] == [0, 1]
     for r in res:
-        assert r["size"] == 2 and r["controller"] == controller
+        assert r["size"] == 2 and r["engine"] == ENGINE_OF[controller]
+        assert r["controller"] == (controller if ENGINE_OF[controller] == "horovod" else "gloo")   # torch: its backend
         # every constant tensor (rank numbers 0 and 1) averages to exactly 0.5, shape and dtype kept
         for vals in r["mean_values"][:-1]:
             assert vals == [0.5] * len(vals)
@@ -76,8 +79,8 @@ def _leftovers(marker: str):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode", ["kill", "hang"])
-@pytest.mark.parametrize("controller", CONTROLLERS)
+@pytest.mark.parametrize("controller,mode", [(c, m) for c in CONTROLLERS for m in ("kill", "hang")
+                                             if not (c == "mpi-torch" and m == "hang")])   # = torchrun's hang
 def test_dead_or_silent_rank_fails_within_timeout_and_leaves_nothing(controller, mode):
     """Rank 1 dies with SIGKILL, or stops answering; rank 0 waits in an allreduce. The
     launcher may notice (horovodrun and mpirun abort the job when a rank dies); when it

@@ -1,6 +1,7 @@
-"""The trainer on 2 ranks under horovodrun (Gloo) and mpirun: identical references after
-every sync, rank 0's schedule on every rank, exact communication counts, exact resume
-after a kill -9, and a short real training run."""
+"""The trainer on 2 ranks under horovodrun (Gloo), mpirun and torchrun: identical
+references after every sync, rank 0's schedule on every rank, exact communication counts,
+exact resume after a kill -9 (by hand, and by torchrun's elastic agent), and a short real
+training run."""
 import json
 import math
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
+from multirank import ENGINE_OF, ROOT, RankJob, horovod_installed, kill9_after_first_checkpoint, run_ranks
 from parle_hvd import checkpoint
 from parle_hvd.parle import scoping
 
@@ -16,10 +17,12 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")]
 TRAIN = ROOT / "tests/ranks/train_rank.py"
+HVD = pytest.mark.skipif(not horovod_installed(), reason="Horovod-only: not installed (PARLE_HVD_ENGINE=torch setup)")
 SMALL = ["data.train_limit=2560", "data.test_limit=1000", "parle.sync_period=5", "train.batch_size=64",
          "run.progress=lines", "eval.bn_batches=5"]
 
 
+@HVD
 def test_sync_exchange_mechanism():
     res = run_ranks(ROOT / "tests/ranks/exchange_check.py", controller="gloo", timeout=90)
     want = [[0.0123456789, 1.23456789, 0.1], [0.02, 1.5, 0.01]]
@@ -34,7 +37,9 @@ def test_sync_exchange_mechanism():
         assert res[0][dtype]["plans"] == res[1][dtype]["plans"]            # bit-identical everywhere
 
 
-@pytest.mark.parametrize("controller,init", [("gloo", "independent"), ("mpi", "broadcast")])
+@pytest.mark.parametrize("controller,init", [pytest.param("gloo", "independent", marks=HVD),
+                                             pytest.param("mpi", "broadcast", marks=HVD),
+                                             ("torchrun", "independent"), ("mpi-torch", "broadcast")])
 def test_two_ranks_identical_reference_schedule_from_rank0_and_exact_counts(tmp_path, controller, init):
     run = tmp_path / "run"
     over = SMALL + [f"run.dir={run}", "train.epochs=1", "run.ckpt_every=1", "run.keep=1000", "eval.every=0.5",
@@ -46,7 +51,8 @@ def test_two_ranks_identical_reference_schedule_from_rank0_and_exact_counts(tmp_
     s = json.loads((run / "summary.json").read_text())
     nb = 2560 // 64
     K = math.ceil(nb / 5)
-    assert s["world_size"] == 2 and s["controller"] == controller and s["outer_steps"] == K
+    assert s["world_size"] == 2 and s["engine"] == ENGINE_OF[controller] and s["outer_steps"] == K
+    assert s["controller"] == (controller if s["engine"] == "horovod" else "gloo")
     # one fused allreduce per outer step, +1 for the first reference, +1 per evaluation
     assert s["evaluations"] == 2
     assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
@@ -79,20 +85,37 @@ def _final(run):
     return torch.load(run / "final.pt")
 
 
-def test_exact_resume_after_kill(tmp_path):
+RESUME = SMALL + ["train.epochs=3", "run.ckpt_every=3", "eval.every=1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the resume tests compare with, once per controller: run(controller) -> run dir."""
+    done = {}
+
+    def run(controller):
+        if controller not in done:
+            d = tmp_path_factory.mktemp(f"uninterrupted-{controller}") / "run"
+            run_ranks(TRAIN, controller=controller, timeout=240, reports=False,
+                      args=["--config", "configs/fashion_parle.yaml", *RESUME, f"run.dir={d}"])
+            done[controller] = d
+        return done[controller]
+    return run
+
+
+@pytest.mark.parametrize("controller", [pytest.param("gloo", marks=HVD), "torchrun"])
+def test_exact_resume_after_kill(tmp_path, uninterrupted, controller):
     """Uninterrupted run vs a run killed (SIGKILL, whole tree) right after its first
     complete checkpoint and resumed: identical final.pt tensors."""
-    common = SMALL + ["train.epochs=3", "run.ckpt_every=3", "eval.every=1"]
-    a = tmp_path / "a"
-    run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *common, f"run.dir={a}"],
-              timeout=240, reports=False)
+    common = RESUME
+    a = uninterrupted(controller)
     b = tmp_path / "b"
-    job = RankJob([TRAIN, "--config", "configs/fashion_parle.yaml", *common, f"run.dir={b}"])
+    job = RankJob([TRAIN, "--config", "configs/fashion_parle.yaml", *common, f"run.dir={b}"], controller=controller)
     killed_at = kill9_after_first_checkpoint(job, b)
     s_a = json.loads((a / "summary.json").read_text())
     assert not (b / "summary.json").exists() and killed_at < s_a["outer_steps"]
-    out = run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *common, f"run.dir={b}",
-                                 "run.resume=true"], timeout=240, reports=False)
+    out = run_ranks(TRAIN, controller=controller, args=["--config", "configs/fashion_parle.yaml", *common,
+                                                        f"run.dir={b}", "run.resume=true"], timeout=240, reports=False)
     assert "resumed from checkpoint step" in out[0]["_output"]
     s_b = json.loads((b / "summary.json").read_text())
     assert s_b["resumed_from"] >= killed_at and s_b["outer_steps"] == s_a["outer_steps"]
@@ -102,6 +125,46 @@ def test_exact_resume_after_kill(tmp_path):
         assert torch.equal(fa[k], fb[k]), k
     assert s_a["val_accuracy"] == s_b["val_accuracy"]
     assert s_a["allreduce_calls"] == s_b["allreduce_calls"]
+
+
+def _worker_pid(job: RankJob, rank: int):
+    """The pid of the worker torchrun started as ``rank`` (RANK in its environment)."""
+    import psutil
+    for p in psutil.Process(job.proc.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and any("train_rank.py" in c for c in p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            pass
+    return None
+
+
+def test_torchrun_elastic_agent_restarts_and_resumes_exactly(tmp_path, uninterrupted):
+    """dist.elastic under torchrun (--max-restarts 1): rank 1's worker is killed (SIGKILL)
+    right after the first complete checkpoint; torchrun's agent restarts both workers, they
+    resume from the newest complete checkpoint by themselves, and the run ends with the
+    uninterrupted run's final weights, bit for bit."""
+    import os
+    import signal
+    import time
+    a = uninterrupted("torchrun")
+    b = tmp_path / "b"
+    job = RankJob([TRAIN, "--config", "configs/fashion_parle.yaml", *RESUME, f"run.dir={b}", "dist.elastic=true"],
+                  controller="torchrun", launcher_args=["--max-restarts", "1"])
+    t0 = time.monotonic()
+    while checkpoint.latest_complete(b, 2) is None:
+        assert job.proc.poll() is None and time.monotonic() - t0 < 180, job.output
+        time.sleep(0.02)
+    pid = _worker_pid(job, 1)
+    assert pid is not None, job.output
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(240) == 0, job.output
+    s_a, s_b = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert s_b["resumed_from"] is not None and s_b["resumed_from"] >= 3, job.output
+    assert [e["why"] for e in s_b["elastic_events"]] == ["torchrun restart"]
+    assert s_b["outer_steps"] == s_a["outer_steps"] and s_b["val_accuracy"] == s_a["val_accuracy"]
+    fa, fb = _final(a), _final(b)
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
 @pytest.mark.integration

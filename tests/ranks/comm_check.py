@@ -8,7 +8,7 @@ comm.init()
 r, n = comm.rank(), comm.size()
 dtypes = [torch.float32, torch.float64, torch.bfloat16]
 shapes = [(3,), (2, 5), (4, 1, 3), ()]
-res = {"rank": r, "size": n, "controller": comm.controller()}
+res = {"rank": r, "size": n, "controller": comm.controller(), "engine": comm.engine()}
 
 # 1. fused mean over mixed shapes and dtypes, one call
 ts = [torch.full(s, float(r), dtype=d) for d in dtypes for s in shapes]
