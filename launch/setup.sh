@@ -2,6 +2,7 @@
 # One-command, idempotent setup for parle_hvd.
 #
 #   launch/setup.sh                 # or: make setup
+#   PARLE_HVD_ENGINE=torch make setup   # no Horovod: torch.distributed only (seconds, any torch)
 #
 # Does, in order:
 #   1. apt: OpenMPI and the embedded Fashion-MNIST (skipped with a message when there is
@@ -14,9 +15,14 @@
 #      (default ~/.cache/parle_hvd), keyed by Horovod, torch and Python versions, so a
 #      second setup on the same machine takes seconds;
 #   4. `horovodrun --check-build`, failing loudly unless PyTorch, MPI and Gloo are built.
+#   With PARLE_HVD_ENGINE=torch, steps 3 and 4 are skipped: training runs on torch.distributed
+#   (dist.engine=torch; torchrun, launch/torchrun.sh), which any torch has, newer than
+#   2.13 too (TORCH_SPEC=torch, or a venv whose torch is already installed; Horovod 0.28.1
+#   does not build against torch 2.14's headers). The check is then a 2-rank Gloo allreduce.
 #
 # Environment:
 #   VENV=.venv  PYTHON=python3  TORCH_SPEC="torch==2.13.0"  TORCH_INDEX_URL=
+#   PARLE_HVD_ENGINE=horovod|torch (torch: skip Horovod)
 #   PARLE_HVD_CUDA=0|1   (1: build Horovod with NCCL; needs nvcc and a CUDA torch)
 #   PARLE_HVD_SKIP_APT=1 (never touch apt)   PARLE_HVD_CACHE=~/.cache/parle_hvd
 #   PARLE_HVD_NO_VENV=1  (install into the current interpreter, e.g. a conda env)
@@ -101,6 +107,34 @@ MPICC=mpicc pip install -c "$pin" -r requirements.txt
 pip install -c "$pin" --no-deps --no-build-isolation -e .
 
 # ---------------------------------------------------------------- 3. Horovod
+# The engine this venv was set up for is remembered: `make test` after
+# `PARLE_HVD_ENGINE=torch make setup` does not build Horovod behind the user's back.
+ENGINE=${PARLE_HVD_ENGINE:-$(cat "$VENV/.parle_hvd_engine" 2>/dev/null || echo horovod)}
+[[ $ENGINE == horovod || $ENGINE == torch ]] || die "PARLE_HVD_ENGINE must be horovod or torch, not $ENGINE"
+if [[ $ENGINE == torch ]]; then
+    # torch.distributed only: no build. The check: two processes allreduce through Gloo.
+    check=$(mktemp -d)/dist_check.py      # a file: spawned processes re-import it
+    cat > "$check" <<'PY'
+import datetime, os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+def work(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.tensor([rank + 1.0]); dist.all_reduce(t); assert t.item() == 3.0, t
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.start_processes(work, args=(port,), nprocs=2, start_method="spawn")
+    print(f"torch {torch.__version__}: torch.distributed Gloo allreduce on 2 processes OK "
+          f"(NCCL {'available' if dist.is_nccl_available() else 'not built'})")
+PY
+    out=$("$py" "$check" 2>&1) || { echo "$out" >&2; die "torch.distributed check failed: this torch cannot run dist.engine=torch"; }
+    rm -rf "$(dirname "$check")"
+    say "$out"
+    "$py" -c "import horovod" 2>/dev/null && say "note: Horovod is installed in this venv too; PARLE_HVD_ENGINE=torch selects torch.distributed at run time"
+    [[ ${PARLE_HVD_NO_VENV:-0} == 1 ]] || echo torch > "$VENV/.parle_hvd_engine"   # a later `make test` keeps it
+    say "done: $(basename "$py") in $(dirname "$py"), torch $torch_ver, engine torch (no Horovod)"
+    exit 0
+fi
 hvd_ok() { "$py" - <<'PY' 2>/dev/null
 import horovod.torch as hvd
 import sys

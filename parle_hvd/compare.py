@@ -4,7 +4,8 @@ report with confidence intervals.
     python -m parle_hvd.compare --config configs/fashion_parle.yaml \\
         --algos parle,dpsgd,elastic,entropy,localsgd,diloco --np 2 --seeds 3 [--name NAME] [key.sub=value ...]
 
-Each algorithm runs through the real trainer (``horovodrun --gloo -np N`` on this machine,
+Each algorithm runs through the real trainer (``horovodrun --gloo -np N`` on this machine, or
+``torchrun`` where Horovod is not installed,
 or one process for the single-replica algorithms sgd and entropy) with the same config
 and overrides, once per seed (``train.seed = s, s+1, ...``; initialisation, data order and
 any validation split follow it), evaluating every ``eval.every`` passes. A finished run is
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -85,7 +87,12 @@ def run_algo(algo: str, config: str, np_: int, overrides: list, run_dir: Path, l
     py = sys.executable
     venv_bin = str(Path(py).parent)
     n = 1 if algo in SINGLE else np_
-    launcher = [f"{venv_bin}/horovodrun", "--gloo", "-np", str(n), "-H", f"localhost:{n}"] if n > 1 else []
+    if n == 1:
+        launcher = []
+    elif importlib.util.find_spec("horovod") is not None:
+        launcher = [f"{venv_bin}/horovodrun", "--gloo", "-np", str(n), "-H", f"localhost:{n}"]
+    else:                                   # a setup without Horovod (PARLE_HVD_ENGINE=torch make setup)
+        launcher = [f"{venv_bin}/torchrun", "--standalone", "--nproc-per-node", str(n), "--no-python"]
     cmd = [*launcher, py, "train.py", "--config", config, f"algo={algo}", *overrides, f"run.dir={run_dir}",
            "run.progress=lines"]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -48,6 +48,11 @@ def horovod_installed() -> bool:
     return importlib.util.find_spec("horovod") is not None
 
 
+# What a test that does not name a controller runs under: Horovod's horovodrun --gloo, or
+# torchrun in a setup without Horovod (PARLE_HVD_ENGINE=torch make setup).
+DEFAULT = "gloo" if horovod_installed() else "torchrun"
+
+
 def launcher_cmd(controller: str, np: int) -> list[str]:
     if controller == "torchrun":
         # --standalone: a local rendezvous on a free port; --no-python: the command follows
@@ -113,7 +118,7 @@ def run_command(cmd, *, env: dict | None = None, timeout: float = 300, cwd=ROOT)
 class RankJob:
     """A launched multi-rank job: ``wait`` (kills the tree on timeout), ``kill``, ``output``."""
 
-    def __init__(self, argv, *, controller: str = "gloo", np: int = 2, env: dict | None = None,
+    def __init__(self, argv, *, controller: str = DEFAULT, np: int = 2, env: dict | None = None,
                  out_dir: Path | None = None, launcher_args=()):
         self.controller, self.np = controller, np
         self.out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="parle_mr_"))
@@ -158,7 +163,7 @@ class RankJob:
         return rc
 
 
-def run_ranks(script: str | Path, *, controller: str = "gloo", np: int = 2, args=(),
+def run_ranks(script: str | Path, *, controller: str = DEFAULT, np: int = 2, args=(),
               timeout: float = 120.0, env: dict | None = None, out_dir: Path | None = None,
               expect_fail: bool = False, reports: bool = True) -> list[dict]:
     """Run ``script`` on ``np`` ranks; return the ranks' reports in rank order.

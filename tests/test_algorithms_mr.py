@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ENGINE_OF, ROOT, horovod_installed, run_ranks
+from multirank import ENGINE_OF, ROOT, run_ranks
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model, sync_tensors
 from parle_hvd.exchange import SLOT
@@ -19,7 +19,7 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")]
 TRAIN = ROOT / "tests/ranks/train_rank.py"
-HVD = pytest.mark.skipif(not horovod_installed(), reason="Horovod-only: not installed (PARLE_HVD_ENGINE=torch setup)")
+HVD = pytest.mark.horovod     # skipped where Horovod is not installed (conftest.py)
 ENGINES = [pytest.param("gloo", marks=HVD), "torchrun"]      # Horovod's engine, torch.distributed's
 N_TRAIN, BS, L = 2560, 64, 5
 COMMON = [f"data.train_limit={N_TRAIN}", "data.test_limit=1000", f"train.batch_size={BS}", "train.epochs=1",

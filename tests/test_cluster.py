@@ -79,6 +79,7 @@ def _launch_env(lab):
 HOSTS_SMALL = SMALL + ["dist.threads=1"]
 
 
+@pytest.mark.horovod
 def test_two_hosts_horovodrun_and_mpirun_over_throttled_link(tmp_path):
     _need(netlab.available())
     before = netlab.snapshot()

@@ -27,7 +27,7 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [
     pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist"),
     pytest.mark.skipif(elasticlab.available() is not None, reason=f"elastic lab: {elasticlab.available()}"),
-    pytest.mark.multirank, pytest.mark.integration,
+    pytest.mark.multirank, pytest.mark.integration, pytest.mark.horovod,
 ]
 # 75 outer steps of 5 inner steps (4 passes over 6000 examples), tested on all 10000.
 ARGS = ["--config", "configs/fashion_parle.yaml", "data.train_limit=6000", "data.test_limit=0",

@@ -8,7 +8,7 @@ import pytest
 from multirank import ROOT, run_command
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
-pytestmark = [pytest.mark.multirank,
+pytestmark = [pytest.mark.multirank, pytest.mark.horovod,     # step 4 runs horovodrun
               pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")]
 
 

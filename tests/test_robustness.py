@@ -31,10 +31,11 @@ def _final(d):
 
 
 def _rank_proc(job, rank):
-    """The python process of ``rank`` under a horovodrun job."""
+    """The python process of ``rank`` under a horovodrun (or torchrun) job."""
     for p in psutil.Process(job.proc.pid).children(recursive=True):
         try:
-            if "train_rank.py" in " ".join(p.cmdline()) and p.environ().get("HOROVOD_RANK") == str(rank):
+            env = p.environ()
+            if "train_rank.py" in " ".join(p.cmdline()) and env.get("HOROVOD_RANK", env.get("RANK")) == str(rank):
                 return p
         except psutil.Error:
             pass
@@ -203,6 +204,7 @@ def test_a_checkpoint_write_failing_on_one_rank_stops_every_rank_at_once(tmp_pat
 
 # ------------------------------------------------------------------------ launchers
 @pytest.mark.multirank
+@pytest.mark.horovod          # launch/local.sh is horovodrun
 def test_launch_script_ends_with_the_failing_ranks_line_and_its_exit_code(tmp_path):
     """launch/local.sh (what `make run` uses): a bad input exits 2 and a divergence 3, each
     ending with the rank's own error line; horovodrun's traceback is kept out of sight, in

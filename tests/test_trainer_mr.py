@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ENGINE_OF, ROOT, RankJob, horovod_installed, kill9_after_first_checkpoint, run_ranks
+from multirank import ENGINE_OF, ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
 from parle_hvd import checkpoint
 from parle_hvd.parle import scoping
 
@@ -17,7 +17,7 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(not FASHION.is_dir(), reason="make setup installs dataset-fashion-mnist")]
 TRAIN = ROOT / "tests/ranks/train_rank.py"
-HVD = pytest.mark.skipif(not horovod_installed(), reason="Horovod-only: not installed (PARLE_HVD_ENGINE=torch setup)")
+HVD = pytest.mark.horovod     # skipped where Horovod is not installed (conftest.py)
 SMALL = ["data.train_limit=2560", "data.test_limit=1000", "parle.sync_period=5", "train.batch_size=64",
          "run.progress=lines", "eval.bn_batches=5"]
 
