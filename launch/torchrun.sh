@@ -35,9 +35,11 @@ extra=()
 [[ $ELASTIC == 1 ]] && extra=(dist.elastic=true)
 # The trainer sets its own threads per rank (dist.threads); this only silences torchrun's notice.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Every line tagged with its global rank, "[1]:..." (what parle_hvd.launcher reads; --tee 3 turns it on)
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-'[${rank}]:'}
 export PATH="$PWD/$VENV/bin:$PATH"
 # parle_hvd.launcher: a failed job ends with the failing rank's own line and its exit code.
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of words on purpose
 exec "$PWD/$VENV/bin/python" -m parle_hvd.launcher -- "$PWD/$VENV/bin/torchrun" "${rdzv[@]}" \
-    --nproc-per-node "$NP" --max-restarts "$MAX_RESTARTS" ${TORCHRUN_ARGS:-} --no-python \
+    --nproc-per-node "$NP" --max-restarts "$MAX_RESTARTS" --tee 3 ${TORCHRUN_ARGS:-} --no-python \
     "$PWD/$VENV/bin/python" train.py --config "$CONFIG" "${extra[@]}" "$@"

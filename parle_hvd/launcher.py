@@ -28,8 +28,9 @@ import tempfile
 import threading
 import time
 
-# "[1]<stderr>:..." (horovodrun) or "[1,1]<stderr>:..." (mpirun --tag-output)
-_RANK = re.compile(rb"^\[(?:\d+,)?(\d+)\]<std(?:out|err)>:(.*)$", re.S)
+# "[1]<stderr>:..." (horovodrun), "[1,1]<stderr>:..." (mpirun --tag-output) or "[1]:..."
+# (torchrun --tee 3 with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${rank}]:", launch/torchrun.sh)
+_RANK = re.compile(rb"^\[(?:\d+,)?(\d+)\](?:<std(?:out|err)>)?:(.*)$", re.S)
 _ERROR = re.compile(rb"^error: ")
 # The launcher's own lines about a failure.
 _REPORT_LINE = [re.compile(p) for p in (rb"^Process \d+ exit with status code \d+\.",

@@ -22,6 +22,7 @@ HOROVOD = importlib.util.find_spec("horovod") is not None
 _skipped_horovod: list = []
 
 
+@pytest.hookimpl(trylast=True)          # after -k/-m deselection: name only what would have run
 def pytest_collection_modifyitems(config, items):
     if HOROVOD:
         return

@@ -56,7 +56,8 @@ DEFAULT = "gloo" if horovod_installed() else "torchrun"
 def launcher_cmd(controller: str, np: int) -> list[str]:
     if controller == "torchrun":
         # --standalone: a local rendezvous on a free port; --no-python: the command follows
-        return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(np), "--no-python"]
+        # --tee 3 with RankJob's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: lines tagged "[rank]:"
+        return [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", str(np), "--tee", "3", "--no-python"]
     if controller == "gloo":
         return [str(VENV_BIN / "horovodrun"), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
     if controller in ("mpi", "mpi-torch"):
@@ -132,6 +133,7 @@ class RankJob:
         e.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
         if controller == "mpi-torch":
             e["PARLE_HVD_ENGINE"] = "torch"
+        e.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${rank}]:")
         if env:
             e.update(env)
         self.name = Path(str(argv[0])).name
