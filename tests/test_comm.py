@@ -33,14 +33,15 @@ def test_collectives_exact(controller):
         assert r["mean_calls"] == 1
         assert r["mean_bytes"] == r["mean_expected_bytes"]
         assert r["fused_mean"] == [0.5] * 5 and r["fused_sum"] == [1.0, 2.0]
+        assert r["async_mean"] == [0.5] * 4 and r["async_sum"] == [3.0]
         # broadcast: rank 0's values, bit-exact, every dtype, one call
         assert r["bcast"] == [[[10.0, 10.0]] * 3, [0, 0], [0.1, 0.1]]
         assert r["bcast_calls"] == 1 and r["bcast_bytes"] == r["bcast_expected_bytes"]
         assert r["obj"] == {"from": 0, "cfg": {"lr": 0.1}}
-        # exact totals: 2 allreduces (mean, fused) + 3 broadcasts (tensors, obj length, obj payload)
+        # exact totals: 3 allreduces (mean, fused, async) + 3 broadcasts (tensors, obj length, obj payload)
         s = r["stats"]
-        assert s["allreduce_calls"] == 2 and s["broadcast_calls"] == 3
-        assert s["allreduce_bytes"] == r["mean_expected_bytes"] + 4 * 7
+        assert s["allreduce_calls"] == 3 and s["broadcast_calls"] == 3
+        assert s["allreduce_bytes"] == r["mean_expected_bytes"] + 4 * 7 + 8 * 5
         assert s["broadcast_bytes"] == r["bcast_expected_bytes"] + 8 + r["obj_pickle_bytes"]
 
 

@@ -29,6 +29,13 @@ m = torch.full((5,), float(r)); s = torch.tensor([float(r), 1.0])
 comm.fused_allreduce_(means=[m], sums=[s])
 res["fused_mean"] = m.tolist(); res["fused_sum"] = s.tolist()
 
+# 2b. the same, asynchronous (parle.overlap's sync): values taken at the start, result at wait()
+am = torch.full((4,), float(r)); asum = torch.tensor([float(r) + 1.0], dtype=torch.float64)
+pending = comm.fused_allreduce_start(means=[am], sums=[asum], name="async")
+am.fill_(100.0); asum.fill_(100.0)          # changed while in flight: must not leak into the result
+pending.wait()
+res["async_mean"] = am.tolist(); res["async_sum"] = asum.tolist()
+
 # 3. broadcast of tensors (bit exact, mixed dtypes incl. int) and of an object
 b = [torch.full((3, 2), 10.0 + r, dtype=torch.float32), torch.tensor([r, -r], dtype=torch.int64),
      torch.full((2,), 0.1 * (r + 1), dtype=torch.float64)]
