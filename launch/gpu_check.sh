@@ -7,7 +7,8 @@
 # horovod-0.28.1.tar.gz, or leave one in $PARLE_HVD_CACHE); (2) the unit tier with the device
 # set to CUDA; (3) every algorithm's samples per second beside plain SGD (bench.device_throughput:
 # LeNet, All-CNN-C, ResNet-18); (4) 2 ranks sharing the GPU under Gloo (NCCL refuses two ranks
-# on one device), the sync on CUDA tensors, with the run's allreduce count checked.
+# on one device), the sync on CUDA tensors, with the run's allreduce count checked; (5) the same
+# under torchrun (dist.engine=torch, issue 15).
 # Writes gpu_check.log, throughput.txt and the 2-rank run under $OUT (a temporary folder if unset).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -50,19 +51,26 @@ fi
 step "3. samples per second of every algorithm beside plain SGD, device $DEVICE"
 "$PY" -m bench.device_throughput --device "$DEVICE" $([[ $DRY == 1 ]] && echo --tiny) | tee "$OUT/throughput.txt"
 
-step "4. 2 ranks sharing the device under Gloo: the sync on $DEVICE tensors"
-run=$OUT/two_ranks
-rm -rf "$run"
-"$HVD" --gloo -np 2 -H localhost:2 "$PY" train.py --config configs/fashion_parle.yaml dist.device="$DEVICE" \
-    dist.share_device=true data.train_limit=2560 data.test_limit=500 parle.sync_period=5 train.batch_size=64 \
-    train.epochs=1 eval.every=1 run.progress=lines dist.threads=1 run.dir="$run"
-"$PY" - "$run" "$DEVICE" <<'PY'
+two_ranks() {   # run dir, launcher...: 2 ranks sharing the device, then the counts checked
+    local run=$1; shift
+    rm -rf "$run"
+    "$@" "$PY" train.py --config configs/fashion_parle.yaml dist.device="$DEVICE" \
+        dist.share_device=true data.train_limit=2560 data.test_limit=500 parle.sync_period=5 train.batch_size=64 \
+        train.epochs=1 eval.every=1 run.progress=lines dist.threads=1 run.dir="$run"
+    "$PY" - "$run" "$DEVICE" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1] + "/summary.json"))
 want = s["outer_steps"] + 1 + s["evaluations"]
 assert s["world_size"] == 2 and s["device"].startswith(sys.argv[2]), s["device"]
 assert s["allreduce_calls"] == want, (s["allreduce_calls"], want)
-print(f"two ranks on {s['device']}: {s['outer_steps']} outer steps, {s['allreduce_calls']} allreduces "
-      f"(= K + 1 + E), test accuracy {s['test_accuracy']:.4f}")
+print(f"two ranks on {s['device']} ({s['engine']} {s['controller']}): {s['outer_steps']} outer steps, "
+      f"{s['allreduce_calls']} allreduces (= K + 1 + E), test accuracy {s['test_accuracy']:.4f}")
 PY
+}
+step "4. 2 ranks sharing the device under Gloo: the sync on $DEVICE tensors"
+two_ranks "$OUT/two_ranks" "$HVD" --gloo -np 2 -H localhost:2
+
+step "5. the same under torchrun (dist.engine=torch; Gloo carries the $DEVICE tensors of ranks sharing one GPU)"
+OMP_NUM_THREADS=1 two_ranks "$OUT/two_ranks_torch" "$(dirname "$(command -v "$PY")")/torchrun" --standalone \
+    --nproc-per-node 2 --no-python
 step "done: log, throughput.txt and the 2-rank run in $OUT"

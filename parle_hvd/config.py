@@ -252,6 +252,8 @@ class DistConfig:
         _check(self.expect_ranks >= 0, "dist.expect_ranks", "must be >= 0")
         _check(self.timeout >= 0, "dist.timeout", "must be >= 0")
         _check(self.elastic_commit_every >= 1, "dist.elastic_commit_every", "must be >= 1")
+        _check(not (self.backend == "horovod" and self.engine == "torch"), "dist.engine",
+               "torch contradicts dist.backend=horovod (which forces Horovod); use dist.backend=auto")
 
 
 @dataclass

@@ -19,6 +19,7 @@ run() {  # name, command...
 run overhead "$PY" -m bench.overhead
 run pipeline "$PY" -m bench.pipeline
 run sync_cost "$PY" -m bench.sync_cost
+run dpsgd_engines "$PY" -m bench.dpsgd_engines
 run communication "$PY" -m bench.communication
 m1=$(python3 -c "print(round(0.6*$PASSES,2))"); m2=$(python3 -c "print(round(0.85*$PASSES,2))")
 run compare "$PY" -m parle_hvd.compare --config configs/fashion_parle.yaml \

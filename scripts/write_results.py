@@ -99,17 +99,37 @@ out += ["", f"bytes_per_sample_ratio (parle / dpsgd) = **{f(v.get('bytes_per_sam
         f"calls_per_sample_ratio = {f(v.get('calls_per_sample_ratio'))}.", ""]
 
 v, cmd, t = load("sync_cost")
-out += ["## Cost of one sync (2 ranks, mpirun, Horovod MPI controller)", "", f"`{cmd}` ({t} s)", "",
-        "| model | MB | tensors | fused (ms) | one hvd.allreduce per tensor (ms) | mpi4py Allreduce (ms) | per-tensor / fused | mpi4py / fused |",
-        "|---|---|---|---|---|---|---|---|"]
+out += ["## Cost of one sync (2 ranks, mpirun; Horovod's MPI controller and torch.distributed's Gloo)", "",
+        f"`{cmd}` ({t} s)", "",
+        "| model | MB | tensors | fused, Horovod (ms) | fused, torch.distributed (ms) | one hvd.allreduce per tensor (ms) | "
+        "mpi4py Allreduce (ms) | torch / Horovod | per-tensor / fused | mpi4py / fused |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
 for m in ("lenet", "allcnn", "resnet18"):
     g = lambda k: f(v.get(f"sync_{m}_{k}"))
-    out.append(f"| {m} | {g('mbytes')} | {g('tensors')} | {g('fused_ms')} | {g('per_tensor_ms')} | {g('mpi4py_ms')} | "
-               f"{g('per_tensor_over_fused')} | {g('mpi4py_over_fused')} |")
-out += ["", "Fusing every tensor into one call is what matters: one hvd.allreduce per tensor costs several times "
-        "more. A bare mpi4py Allreduce on one numpy buffer is faster still: Horovod's call goes through its "
-        "background thread (a negotiation cycle and a copy into its fusion buffer), which the direct MPI call "
-        "skips; Horovod is kept for its controllers, NCCL and launcher.", ""]
+    out.append(f"| {m} | {g('mbytes')} | {g('tensors')} | {g('fused_ms')} | {g('torch_fused_ms')} | {g('per_tensor_ms')} | "
+               f"{g('mpi4py_ms')} | {g('torch_over_horovod')} | {g('per_tensor_over_fused')} | {g('mpi4py_over_fused')} |")
+out += ["", "Each figure is the median of 5 rounds in which the four ways alternate in the same two processes. "
+        "\"fused\" is parle_hvd's sync exactly (comm.allreduce_mean_: pack into one flat buffer, one allreduce, "
+        "unpack), through either engine (dist.engine). Fusing every tensor into one call is what matters: one "
+        "hvd.allreduce per tensor costs several times more. A bare mpi4py Allreduce on one numpy buffer skips the "
+        "packing and Horovod's background thread (a negotiation cycle and a copy into its fusion buffer); "
+        "torch.distributed's Gloo also skips the background thread but goes over TCP loopback, not MPI's shared "
+        "memory.", ""]
+
+if (src / "dpsgd_engines.txt").exists():
+    v, cmd, t = load("dpsgd_engines")
+    out += ["## Data-parallel SGD through either engine (2 ranks, LeNet, Fashion-MNIST)", "", f"`{cmd}` ({t} s)", "",
+            "| gradients on the wire | Horovod DistributedOptimizer, samples/s (range) | "
+            "DistributedDataParallel, samples/s (range) | DDP / Horovod |", "|---|---|---|---|"]
+    for tag in ("fp16", "fp32"):
+        g = lambda k: v.get(f"dpsgd_{tag}_{k}", "n/a")
+        out.append(f"| {tag} | {f(g('horovod_samples_per_sec'))} ({g('horovod_samples_per_sec_range')}) | "
+                   f"{f(g('torch_samples_per_sec'))} ({g('torch_samples_per_sec_range')}) | "
+                   f"**{f(g('ddp_over_horovod'))}** |")
+    out += ["", f"Medians of {v.get('dpsgd_runs_per_setting')} runs per setting, alternating. Horovod is tuned as for "
+            "the claims (fp16 compression, HOROVOD_FUSION_THRESHOLD 128 MB, HOROVOD_CYCLE_TIME 5 ms; horovodrun "
+            "--gloo); DDP runs with its defaults (25 MB buckets, allreduced during the backward pass; fp16 by a "
+            "comm hook) under torchrun. samples/s counts training time only (evaluations excluded).", ""]
 
 v, cmd, t = load("pipeline")
 out += ["## Input pipeline (augmented CIFAR-shaped batches of 128, one core)", "", f"`{cmd}` ({t} s)", "",

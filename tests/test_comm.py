@@ -101,3 +101,71 @@ def test_dead_or_silent_rank_fails_within_timeout_and_leaves_nothing(controller,
     assert "rank 0 entering allreduce" in msg
     time.sleep(0.5)
     assert _leftovers("tests/ranks/die.py") == []
+
+
+# ------------------------------------------------------------------------ engine selection
+_LAUNCH_VARS = ("HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARLE_HVD_ENGINE", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_NTASKS",
+                "SLURM_NNODES", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_ID", "PMI_RANK", "PMI_SIZE")
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    for k in list(__import__("os").environ):
+        if k in _LAUNCH_VARS or k.startswith("OMPI_COMM_WORLD"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def test_engine_follows_the_launcher_and_refuses_what_cannot_work(bare_env):
+    from parle_hvd import comm
+    from multirank import horovod_installed
+    bare_env.setenv("TORCHELASTIC_RUN_ID", "x")
+    for k, v in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1").items():
+        bare_env.setenv(k, v)
+    assert comm.launched() and comm.resolve_engine("auto") == "torch" == comm.resolve_engine("torch")
+    with pytest.raises(comm.EngineError, match="started by torchrun, which Horovod cannot join"):
+        comm.resolve_engine("horovod")
+    for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        bare_env.delenv(k)
+    bare_env.setenv("HOROVOD_RANK", "0")
+    assert comm.resolve_engine("auto") == "horovod"
+    with pytest.raises(comm.EngineError, match="started by horovodrun"):
+        comm.resolve_engine("torch")
+    bare_env.delenv("HOROVOD_RANK")
+    bare_env.setenv("OMPI_COMM_WORLD_SIZE", "2")            # mpirun: Horovod where it imports
+    assert comm.resolve_engine("auto") == ("horovod" if horovod_installed() else "torch")
+    bare_env.setenv("PARLE_HVD_ENGINE", "torch")            # the environment decides first
+    assert comm.resolve_engine("auto") == "torch"
+    bare_env.setenv("PARLE_HVD_ENGINE", "nccl")
+    with pytest.raises(comm.EngineError, match="PARLE_HVD_ENGINE must be one of"):
+        comm.resolve_engine("auto")
+
+
+def test_torch_world_from_openmpi_slurm_and_pmi_variables(bare_env):
+    from parle_hvd.torchdist import WorldError, world_from_env
+    for k, v in dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
+                     OMPI_COMM_WORLD_LOCAL_SIZE="2").items():
+        bare_env.setenv(k, v)
+    with pytest.raises(WorldError, match="export MASTER_ADDR"):       # two hosts: rank 0's host is unknown
+        world_from_env()
+    bare_env.setenv("MASTER_ADDR", "node1")
+    w = world_from_env()
+    assert (w["rank"], w["size"], w["local_rank"], w["local_size"], w["addr"]) == (3, 4, 1, 2, "node1")
+    assert 20000 <= int(w["port"]) < 40000
+    for k in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+              "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_ADDR"):
+        bare_env.delenv(k)
+    for k, v in dict(SLURM_PROCID="1", SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_NNODES="1", SLURM_LOCALID="1",
+                     SLURM_JOB_ID="77").items():
+        bare_env.setenv(k, v)
+    w = world_from_env()
+    assert (w["rank"], w["size"], w["local_rank"], w["local_size"], w["addr"]) == (1, 2, 1, 2, "127.0.0.1")
+    bare_env.setenv("SLURM_JOB_ID", "78")                    # another job on the host: another port
+    assert world_from_env()["port"] != w["port"]
+    for k in ("SLURM_PROCID", "SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_LOCALID", "SLURM_JOB_ID"):
+        bare_env.delenv(k)
+    for k, v in dict(PMI_RANK="0", PMI_SIZE="2", MPI_LOCALRANKID="0", MPI_LOCALNRANKS="2").items():
+        bare_env.setenv(k, v)
+    w = world_from_env()
+    assert (w["rank"], w["size"], w["addr"]) == (0, 2, "127.0.0.1")
