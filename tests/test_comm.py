@@ -169,3 +169,19 @@ def test_torch_world_from_openmpi_slurm_and_pmi_variables(bare_env):
         bare_env.setenv(k, v)
     w = world_from_env()
     assert (w["rank"], w["size"], w["addr"]) == (0, 2, "127.0.0.1")
+
+
+def test_one_module_per_engine():
+    """horovod.torch is imported by comm.py alone, torch.distributed is called by torchdist.py
+    alone (DistributedDataParallel included), and nothing else in the package imports either."""
+    import re
+    hvd, tdist = {}, {}
+    for f in sorted((ROOT / "parle_hvd").glob("*.py")):
+        src = f.read_text()
+        if re.search(r"^\s*(import horovod\.torch|from horovod\.torch|import horovod\.common|from horovod)", src, re.M):
+            hvd[f.name] = True
+        if re.search(r"^\s*(import|from) torch\.(distributed|nn\.parallel)|torch\.distributed\.\w+\(|"
+                     r"DistributedDataParallel\(", src, re.M):
+            tdist[f.name] = True
+    assert list(hvd) == ["comm.py"], hvd
+    assert list(tdist) == ["torchdist.py"], tdist
