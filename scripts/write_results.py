@@ -116,6 +116,24 @@ out += ["", "Each figure is the median of 5 rounds in which the four ways altern
         "torch.distributed's Gloo also skips the background thread but goes over TCP loopback, not MPI's shared "
         "memory.", ""]
 
+if (src / "engines_run.txt").exists():
+    v, cmd, t = load("engines_run")
+    g = lambda k: v.get(f"engines_run_{k}", "n/a")
+    out += ["## `make run` through either engine (the default preset: Parle, 2 replicas, 20 passes)", "",
+            f"`{cmd}` ({t} s)", "",
+            "| engine | val_accuracy (test set) | training seconds | allreduces | bytes |", "|---|---|---|---|---|"]
+    for tag in ("horovod", "torch"):
+        out.append(f"| {g(tag + '_engine')} | {g(tag + '_val_accuracy')} | {g(tag + '_wall_seconds')} | "
+                   f"{g(tag + '_allreduce_calls')} | {g(tag + '_bytes')} |")
+    out += ["", f"val_accuracy is the test set's, as in make run. Difference {g('val_accuracy_difference_points')} "
+            f"points (target: within 0.3, "
+            f"{'met' if g('within_target') == '1' else 'missed'}); the same output files: "
+            f"{'yes' if g('same_outputs') == '1' else 'no'}; final.pt bit-identical: "
+            f"{'yes' if g('final_bit_identical') == '1' else 'no'}. The bytes differ only by the length of run.dir "
+            "inside the config rank 0 broadcasts at the start. The two runs shared the machine's 2 cores "
+            "(they ran at the same time), so their seconds are not a speed comparison; bench.dpsgd_engines and "
+            "bench.sync_cost are.", ""]
+
 if (src / "dpsgd_engines.txt").exists():
     v, cmd, t = load("dpsgd_engines")
     out += ["## Data-parallel SGD through either engine (2 ranks, LeNet, Fashion-MNIST)", "", f"`{cmd}` ({t} s)", "",
