@@ -25,5 +25,6 @@ def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
     for a in algos:                                          # every algorithm, beside plain SGD
         assert re.search(rf"^lenet_{a}_samples_per_sec: [0-9.]+", thr, re.M), (a, thr)
         assert re.search(rf"^lenet_{a}_ratio_to_sgd: [0-9.]+", thr, re.M), (a, thr)
-    assert re.search(r"two ranks on cpu: \d+ outer steps, \d+ allreduces \(= K \+ 1 \+ E\)", out), out
+    for engine in ("horovod gloo", "torch gloo"):              # step 4 (horovodrun) and step 5 (torchrun)
+        assert re.search(rf"two ranks on cpu \({engine}\): \d+ outer steps, \d+ allreduces \(= K \+ 1 \+ E\)", out), out
     assert (tmp_path / "gpu_check.log").is_file() and (tmp_path / "two_ranks" / "summary.json").is_file()
