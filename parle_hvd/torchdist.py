@@ -109,8 +109,9 @@ class TorchEngine:
             # restart's keys get their own prefix, or a restarted rank could read the address
             # a dead one published (seen here: "connectFullMesh failed ... Connection refused").
             agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            # (the store waits at most 30 min for every rank to arrive, torch's own default)
             store = dist.TCPStore(w["addr"], int(w["port"]), w["size"], is_master=not agent and w["rank"] == 0,
-                                  timeout=td, multi_tenant=not agent)
+                                  timeout=min(td, datetime.timedelta(minutes=30)), multi_tenant=not agent)
             store = dist.PrefixStore(f"parle_hvd/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
             dist.init_process_group(self.backend, store=store, rank=w["rank"], world_size=w["size"], timeout=td)
         self.gpu_backend = gpu_backend if cuda else None
