@@ -70,6 +70,10 @@ def world_from_env() -> dict:
             try:
                 first = subprocess.run(["scontrol", "show", "hostnames", e["SLURM_JOB_NODELIST"]], capture_output=True,
                                        text=True, timeout=30, check=True).stdout.split()[0]
+                # its address as SLURM reaches it (NodeAddr): a node's name need not resolve
+                node = subprocess.run(["scontrol", "show", "node", first], capture_output=True, text=True,
+                                      timeout=30).stdout
+                first = next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), first)
             except (OSError, subprocess.SubprocessError, KeyError, IndexError):
                 raise WorldError("dist.engine=torch under srun on several nodes: cannot read the first node "
                                  "(scontrol show hostnames); export MASTER_ADDR") from None

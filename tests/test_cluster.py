@@ -1,5 +1,6 @@
 """Launching where our users run, on real components: a one-node SLURM cluster started
-here (sbatch launch/slurm.sbatch, then a requeue that resumes from the checkpoint), and
+here (sbatch launch/slurm.sbatch, with srun and with LAUNCHER=torchrun, then a requeue that
+resumes from the checkpoint), and
 two "hosts" in network namespaces with their own sshd, reached by horovodrun -H and by
 mpirun with a hostfile, over a link throttled with tc tbf. Each test removes everything it
 made (daemons, namespaces, interfaces, keys), also when it fails."""
@@ -50,6 +51,16 @@ def test_slurm_sbatch_trains_and_requeue_resumes(tmp_path):
             assert (s["engine"], s["controller"]) == (("horovod", "mpi") if HOROVOD else ("torch", "gloo"))
             assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
             assert (shared / f"parle-{job}" / "tb").is_dir()
+
+            # 1b. the same job with LAUNCHER=torchrun: one torchrun per node, torch.distributed
+            job = slurm.sbatch(["--ntasks=2", "-o", f"{tmp_path}/slurm-%j.out", "launch/slurm.sbatch",
+                                *SMALL, "train.epochs=1"], env={"SHARED": str(shared), "LAUNCHER": "torchrun"}, cwd=ROOT)
+            state = slurm.wait(job, timeout=300)
+            out = (tmp_path / f"slurm-{job}.out").read_text()
+            assert state == "COMPLETED", out + slurm.logs()
+            s = _summary(shared / f"parle-{job}")
+            assert s["world_size"] == 2 and (s["engine"], s["controller"]) == ("torch", "gloo")
+            assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
 
             # 2. preemption: requeue a running job after its first checkpoint; the same job id
             #    comes back, finds the checkpoint and resumes from it
