@@ -40,7 +40,7 @@ import torch
 
 _eng = None          # the engine once initialised (_Horovod or torchdist.TorchEngine), else None
 _launched_env = ("HOROVOD_RANK", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
-                 "MV2_COMM_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+                 "MV2_COMM_WORLD_SIZE")
 ENGINES = ("auto", "horovod", "torch")
 
 
@@ -74,10 +74,10 @@ _stats = CommStats()
 
 def launched() -> bool:
     """True when a launcher (horovodrun, mpirun, srun with PMI/PMIx, torchrun) started this process."""
-    if any(k in os.environ for k in _launched_env):
+    from .torchdist import torchrun_launched
+    if any(k in os.environ for k in _launched_env) or torchrun_launched():
         return True
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")) or (
-        "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1)
+    return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1   # srun without PMI
 
 
 def horovod_available() -> bool:

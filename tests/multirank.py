@@ -194,6 +194,19 @@ def run_ranks(script: str | Path, *, controller: str = DEFAULT, np: int = 2, arg
     return results
 
 
+def rank_process(job: RankJob, rank: int, script: str = "train_rank.py"):
+    """The psutil process of ``rank`` in ``job`` (its HOROVOD_RANK under horovodrun, its
+    RANK under torchrun), or None."""
+    for p in psutil.Process(job.proc.pid).children(recursive=True):
+        try:
+            env = p.environ()
+            if script in " ".join(p.cmdline()) and env.get("HOROVOD_RANK", env.get("RANK")) == str(rank):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
 def kill9_after_first_checkpoint(job: RankJob, run_dir: Path, *, world: int = 2, timeout: float = 180) -> int:
     """Wait until ``job`` has written its first complete checkpoint, then SIGKILL its whole
     tree; returns the newest complete step (the job may have gone further before the kill)."""

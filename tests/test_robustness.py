@@ -12,11 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from multirank import ROOT, RankJob, kill_tree, run_ranks
+from multirank import ROOT, RankJob, kill_tree, rank_process, run_ranks
 from parle_hvd import checkpoint
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -29,18 +28,6 @@ SMALL = ["data.train_limit=2560", "data.test_limit=1000", "parle.sync_period=5",
 
 def _final(d):
     return torch.load(Path(d) / "final.pt")
-
-
-def _rank_proc(job, rank):
-    """The python process of ``rank`` under a horovodrun (or torchrun) job."""
-    for p in psutil.Process(job.proc.pid).children(recursive=True):
-        try:
-            env = p.environ()
-            if "train_rank.py" in " ".join(p.cmdline()) and env.get("HOROVOD_RANK", env.get("RANK")) == str(rank):
-                return p
-        except psutil.Error:
-            pass
-    return None
 
 
 def _wait_for(cond, job, timeout=120, what=""):
@@ -106,7 +93,7 @@ def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path, uni
         if only_rank is None:
             job.kill()                                  # SIGKILL to every process of the job
         else:
-            _rank_proc(job, only_rank).kill()           # one rank dies; the launcher ends the rest
+            rank_process(job, only_rank).kill()           # one rank dies; the launcher ends the rest
             job.wait(60)
             kill_tree(job.proc.pid)
         assert not (d / "summary.json").exists(), name
@@ -238,7 +225,7 @@ def test_sigterm_on_one_rank_stops_all_with_checkpoint_and_exit_0(tmp_path):
     job = RankJob([TRAIN, *CFG, *SMALL, "train.epochs=50", "run.ckpt_every=1000", f"run.dir={d}"])
     _wait_for(lambda: _metrics_lines(d) >= 3, job, what="training")
     t0 = time.monotonic()
-    _rank_proc(job, 1).send_signal(signal.SIGTERM)      # as SLURM does before a preemption
+    rank_process(job, 1).send_signal(signal.SIGTERM)      # as SLURM does before a preemption
     rc = job.wait(60)
     elapsed = time.monotonic() - t0
     print(f"\nSIGTERM to rank 1 -> job exit {rc} after {elapsed:.2f} s")
@@ -299,7 +286,7 @@ def test_silent_rank_is_named_within_the_timeout(tmp_path):
     job = RankJob([TRAIN, *CFG, *SMALL, "train.epochs=50", "dist.timeout=8", f"run.dir={d}"])
     try:
         _wait_for(lambda: _metrics_lines(d) >= 3, job, what="training")
-        victim = _rank_proc(job, 1)
+        victim = rank_process(job, 1)
         victim.suspend()                                 # SIGSTOP: alive, silent
         t0 = time.monotonic()
         # named within the timeout; the job's end then depends on the launcher (torchrun

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ENGINE_OF, ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
+from multirank import ENGINE_OF, ROOT, RankJob, kill9_after_first_checkpoint, rank_process, run_ranks
 from parle_hvd import checkpoint
 from parle_hvd.parle import scoping
 
@@ -127,18 +127,6 @@ def test_exact_resume_after_kill(tmp_path, uninterrupted, controller):
     assert s_a["allreduce_calls"] == s_b["allreduce_calls"]
 
 
-def _worker_pid(job: RankJob, rank: int):
-    """The pid of the worker torchrun started as ``rank`` (RANK in its environment)."""
-    import psutil
-    for p in psutil.Process(job.proc.pid).children(recursive=True):
-        try:
-            if p.environ().get("RANK") == str(rank) and any("train_rank.py" in c for c in p.cmdline()):
-                return p.pid
-        except psutil.Error:
-            pass
-    return None
-
-
 def test_torchrun_elastic_agent_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     """dist.elastic under torchrun (--max-restarts 1): rank 1's worker is killed (SIGKILL)
     right after the first complete checkpoint; torchrun's agent restarts both workers, they
@@ -155,9 +143,9 @@ def test_torchrun_elastic_agent_restarts_and_resumes_exactly(tmp_path, uninterru
     while checkpoint.latest_complete(b, 2) is None:
         assert job.proc.poll() is None and time.monotonic() - t0 < 180, job.output
         time.sleep(0.02)
-    pid = _worker_pid(job, 1)
-    assert pid is not None, job.output
-    os.kill(pid, signal.SIGKILL)
+    proc = rank_process(job, 1)
+    assert proc is not None, job.output
+    os.kill(proc.pid, signal.SIGKILL)
     assert job.wait(240) == 0, job.output
     s_a, s_b = (json.loads((d / "summary.json").read_text()) for d in (a, b))
     assert s_b["resumed_from"] is not None and s_b["resumed_from"] >= 3, job.output
