@@ -8,7 +8,9 @@
 # set to CUDA; (3) every algorithm's samples per second beside plain SGD (bench.device_throughput:
 # LeNet, All-CNN-C, ResNet-18); (4) 2 ranks sharing the GPU under Gloo (NCCL refuses two ranks
 # on one device), the sync on CUDA tensors, with the run's allreduce count checked; (5) the same
-# under torchrun (dist.engine=torch, issue 15).
+# under torchrun (dist.engine=torch, issue 15); (6) parle.overlap and parle.balance=time under
+# torchrun, the inner loops timed by CUDA events on their own stream (issue 21): the syncs
+# overlapped, the allreduce count unchanged, and n*L inner steps shared in every outer step.
 # Writes gpu_check.log, throughput.txt and the 2-rank run under $OUT (a temporary folder if unset).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -56,7 +58,7 @@ two_ranks() {   # run dir, launcher...: 2 ranks sharing the device, then the cou
     rm -rf "$run"
     "$@" "$PY" train.py --config configs/fashion_parle.yaml dist.device="$DEVICE" \
         dist.share_device=true data.train_limit=2560 data.test_limit=500 parle.sync_period=5 train.batch_size=64 \
-        train.epochs=1 eval.every=1 run.progress=lines dist.threads=1 run.dir="$run"
+        train.epochs=1 eval.every=1 run.progress=lines dist.threads=1 run.dir="$run" ${EXTRA:-}
     "$PY" - "$run" "$DEVICE" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1] + "/summary.json"))
@@ -73,4 +75,20 @@ two_ranks "$OUT/two_ranks" "$HVD" --gloo -np 2 -H localhost:2
 step "5. the same under torchrun (dist.engine=torch; Gloo carries the $DEVICE tensors of ranks sharing one GPU)"
 OMP_NUM_THREADS=1 two_ranks "$OUT/two_ranks_torch" "$(dirname "$(command -v "$PY")")/torchrun" --standalone \
     --nproc-per-node 2 --no-python
+step "6. parle.overlap and parle.balance=time under torchrun, inner loops timed on their own stream"
+EXTRA="parle.overlap=true parle.balance=time run.log_every=1" OMP_NUM_THREADS=1 two_ranks "$OUT/overlap_balance" \
+    "$(dirname "$(command -v "$PY")")/torchrun" --standalone --nproc-per-node 2 --no-python
+"$PY" - "$OUT/overlap_balance" <<'PY'
+import json, sys
+d = sys.argv[1]
+s = json.load(open(d + "/summary.json"))
+assert s["overlap"] is True and s["balance"] == "time" and s["overlapped_syncs"] >= 1, s
+rows = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+split = [(r["balance/inner_steps/0"], r["balance/inner_steps/1"]) for r in rows if "balance/inner_steps/0" in r]
+secs = [(r["balance/step_seconds/0"], r["balance/step_seconds/1"]) for r in rows if "balance/step_seconds/0" in r]
+assert split and all(a + b == 2 * s["inner_steps"] // s["outer_steps"] for a, b in split), split
+print(f"overlap and balance: {s['overlapped_syncs']} of {s['outer_steps']} syncs overlapped, "
+      f"{s['allreduce_calls']} allreduces (= K + 1 + E), last split {split[-1]}, "
+      f"seconds per inner step {tuple(round(x, 4) for x in secs[-1])}")
+PY
 step "done: log, throughput.txt and the 2-rank run in $OUT"

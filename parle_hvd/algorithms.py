@@ -140,6 +140,7 @@ class EntropyAlgo(ParleAlgo):
     evaluated and saved model is rank 0's."""
     name = "entropy"
     syncs = False
+    overlaps = False         # no sync to overlap; and balance would change rank 0's (the evaluated) replica
     couplings = ("gamma",)
 
     def _noise(self):

@@ -27,7 +27,8 @@ def _let_rank0_speak(seconds: float = 3.0) -> None:
 
 
 def _rank_from_env() -> int:
-    for k in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK", "PMIX_RANK"):
+    for k in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK",
+              "PMIX_RANK"):
         if k in os.environ:
             try:
                 return int(os.environ[k])

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -77,7 +78,65 @@ def launched() -> bool:
     from .torchdist import torchrun_launched
     if any(k in os.environ for k in _launched_env) or torchrun_launched():
         return True
-    return "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1   # srun without PMI
+    return "SLURM_STEP_ID" in os.environ and stated_world()[1] > 1   # srun without PMI
+
+
+_MPI_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def _srun_without_pmi() -> bool:
+    """srun started several tasks but gave them no MPI world (--mpi=none): Horovod's MPI
+    would make every task rank 0 of a world of 1; torch.distributed reads SLURM's variables."""
+    return ("SLURM_STEP_ID" in os.environ and (stated_world() or ("", 1))[1] > 1
+            and not any(k in os.environ for k in _MPI_ENV))
+
+
+def stated_world() -> Optional[tuple]:
+    """(launcher, task count, this task's rank) as the launcher that started this process
+    states them in the environment, or None where none does (no launcher; horovodrun's
+    elastic mode, whose world changes). PMIx exports a rank but no count (count None).
+    The engine's world must be this one."""
+    e = os.environ
+    from .torchdist import torchrun_launched
+    if "HOROVOD_RANK" in e:
+        if "HOROVOD_ELASTIC" in e or "HOROVOD_SIZE" not in e:
+            return None
+        return ("horovodrun", int(e["HOROVOD_SIZE"]), int(e["HOROVOD_RANK"]))
+    if torchrun_launched():
+        return ("torchrun", int(e["WORLD_SIZE"]), int(e["RANK"]))
+    for size, rank, who in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OpenMPI (mpirun)"),
+                            ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MVAPICH"),
+                            ("PMI_SIZE", "PMI_RANK", "PMI (MPICH, Intel MPI)")):
+        if size in e:
+            return (who, int(e[size]), int(e.get(rank, 0)))
+    if "SLURM_STEP_ID" in e:
+        from .slurm import step_layout
+        st = step_layout(e)
+        return ("SLURM (srun)", st["size"], st["rank"])
+    if "PMIX_RANK" in e:
+        return ("PMIx", None, int(e["PMIX_RANK"]))
+    return None
+
+
+def _check_world(name: str) -> None:
+    """After init: the world formed must be the one the launcher started, or n processes
+    would each train alone as rank 0 and write the same files (one line, before any file)."""
+    want = stated_world()
+    if want is None:
+        return
+    who, n, r = want
+    if (n is None or n == _eng.size()) and r == _eng.rank():
+        return
+    if name == "horovod" and who.startswith("SLURM"):
+        fix = "launch with srun --mpi=pmix (so that MPI sees the step), or use dist.engine=torch"
+    elif name == "horovod":
+        fix = ("this Horovod's MPI is not the launcher's (Horovod here joins horovodrun and the MPI it was built "
+               "with); use dist.engine=torch, or a Horovod built against this MPI")
+    else:
+        fix = "launch with torchrun (launch/torchrun.sh), or export RANK, WORLD_SIZE and MASTER_ADDR"
+    started = f"{n} tasks" if n is not None else "this task"
+    raise EngineError(f"{who} started {started} (this one rank {r}), but the {name} engine made it rank "
+                      f"{_eng.rank()} of a world of {_eng.size()} (tasks would train alone as rank 0): {fix}")
 
 
 def horovod_available() -> bool:
@@ -101,7 +160,7 @@ def resolve_engine(engine: str = "auto") -> str:
     from .torchdist import torchrun_launched
     under_torchrun = torchrun_launched() and "HOROVOD_RANK" not in os.environ
     if engine == "auto":
-        if under_torchrun:
+        if under_torchrun or _srun_without_pmi():
             return "torch"
         return "horovod" if "HOROVOD_RANK" in os.environ or horovod_available() else "torch"
     if engine == "horovod" and under_torchrun:
@@ -203,6 +262,11 @@ def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, 
                 _eng = TorchEngine(timeout, gpu_backend)
             except WorldError as e:
                 raise EngineError(str(e)) from None
+        _check_world(name)
+        chose = engine == "auto" and os.environ.get("PARLE_HVD_ENGINE", "auto") in ("", "auto")
+        if name == "torch" and chose and _srun_without_pmi() and _eng.rank() == 0:
+            print(f"[parle_hvd] srun gave its {_eng.size()} tasks no MPI world (--mpi=none): dist.engine=torch "
+                  f"chosen (SLURM's variables); srun --mpi=pmix lets Horovod join", file=sys.stderr, flush=True)
     if set_threads:
         set_threads_per_rank()
 

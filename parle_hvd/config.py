@@ -275,6 +275,13 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
+        # Both rest on Parle's inner loop not reading the reference (docs/algorithm.md); for any
+        # other algorithm they would change what it computes (entropy: rank 0's replica, the one
+        # evaluated, would run fewer inner steps), so they are refused, not ignored.
+        _check(self.algo == "parle" or not self.parle.overlap, "parle.overlap",
+               f"is Parle's only (algo=parle), not algo={self.algo}; drop it or set parle.overlap=false")
+        _check(self.algo == "parle" or self.parle.balance == "off", "parle.balance",
+               f"is Parle's only (algo=parle), not algo={self.algo}; drop it or set parle.balance=off")
         if self.dist.elastic:
             _check(self.algo in ELASTIC_ALGOS, "dist.elastic",
                    f"needs an algorithm with a reference ({', '.join(ELASTIC_ALGOS)}), not algo={self.algo}")

@@ -17,20 +17,25 @@ and compresses it to float16 with ``dpsgd.fp16``.
 Where the world comes from, first match wins:
   torchrun / the env:// convention   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT
   OpenMPI (mpirun)                   OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
-  SLURM (srun)                       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NNODES
+  MVAPICH (mpirun_rsh)               MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
+  SLURM (srun)                       the step's: SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID,
+                                     SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID, SLURM_STEP_NODELIST
+                                     (slurm.py; the job's variables where the step's are absent)
   MPICH / Intel MPI (hydra)          PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
-Without MASTER_ADDR, a job on one host uses 127.0.0.1 and a SLURM job its first node;
+PMIx alone (PMIX_RANK, no task count) is refused with one line, never taken for a world of 1.
+Without MASTER_ADDR, a job on one host uses 127.0.0.1 and a SLURM job its step's first node;
 without MASTER_PORT, a port derived from the job's id (so two jobs on one host differ).
 """
 from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import zlib
 
 import torch
 import torch.distributed as dist
+
+from . import slurm
 
 
 class WorldError(RuntimeError):
@@ -59,29 +64,34 @@ def world_from_env() -> dict:
                  local_size=int(e.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)), source="OpenMPI",
                  job=e.get("OMPI_MCA_ess_base_jobid", e.get("OMPI_MCA_orte_ess_jobid", "")))
         one_host = w["size"] == w["local_size"]
+    elif "MV2_COMM_WORLD_RANK" in e:
+        w = dict(rank=int(e["MV2_COMM_WORLD_RANK"]), size=int(e["MV2_COMM_WORLD_SIZE"]),
+                 local_rank=int(e.get("MV2_COMM_WORLD_LOCAL_RANK", 0)),
+                 local_size=int(e.get("MV2_COMM_WORLD_LOCAL_SIZE", 1)), source="MVAPICH",
+                 job=e.get("MPIRUN_ID", e.get("MV2_MPIRUN_ID", "")))
+        one_host = w["size"] == w["local_size"]
     elif "SLURM_PROCID" in e and "SLURM_STEP_ID" in e:
-        nodes = int(e.get("SLURM_NNODES", 1))
-        size = int(e["SLURM_NTASKS"])
-        w = dict(rank=int(e["SLURM_PROCID"]), size=size, local_rank=int(e.get("SLURM_LOCALID", 0)),
-                 local_size=int(e.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or -(-size // nodes)),
+        # the step's layout, not the job's: a step may run on part of the allocation
+        try:
+            st = slurm.step_layout(e)
+        except slurm.SlurmError as err:
+            raise WorldError(f"dist.engine=torch under srun: {err}") from None
+        w = dict(rank=st["rank"], size=st["size"], local_rank=st["local_rank"], local_size=st["local_size"],
                  source="SLURM", job=f"{e.get('SLURM_JOB_ID', '')}.{e.get('SLURM_STEP_ID', '')}")
-        one_host = nodes == 1
+        one_host = st["nodes"] == 1
         if not one_host and "MASTER_ADDR" not in e:
             try:
-                first = subprocess.run(["scontrol", "show", "hostnames", e["SLURM_JOB_NODELIST"]], capture_output=True,
-                                       text=True, timeout=30, check=True).stdout.split()[0]
-                # its address as SLURM reaches it (NodeAddr): a node's name need not resolve
-                node = subprocess.run(["scontrol", "show", "node", first], capture_output=True, text=True,
-                                      timeout=30).stdout
-                first = next((f.split("=", 1)[1] for f in node.split() if f.startswith("NodeAddr=")), first)
-            except (OSError, subprocess.SubprocessError, KeyError, IndexError):
-                raise WorldError("dist.engine=torch under srun on several nodes: cannot read the first node "
-                                 "(scontrol show hostnames); export MASTER_ADDR") from None
-            e["MASTER_ADDR"] = first
+                e["MASTER_ADDR"] = slurm.first_node_addr(st["nodelist"])
+            except slurm.SlurmError as err:
+                raise WorldError(f"dist.engine=torch under srun on several nodes: {err}; export MASTER_ADDR") from None
     elif "PMI_RANK" in e:
         w = dict(rank=int(e["PMI_RANK"]), size=int(e["PMI_SIZE"]), local_rank=int(e.get("MPI_LOCALRANKID", 0)),
                  local_size=int(e.get("MPI_LOCALNRANKS", 1)), source="PMI", job=e.get("PMI_ID", ""))
         one_host = w["size"] == w["local_size"]
+    elif "PMIX_RANK" in e:          # PMIx states the rank but no task count in the environment
+        raise WorldError("dist.engine=torch: launched through PMIx (PMIX_RANK) without a task count it can read; "
+                         "launch with srun, mpirun or torchrun (launch/torchrun.sh), or export RANK, WORLD_SIZE "
+                         "and MASTER_ADDR")
     else:
         w = dict(rank=0, size=1, local_rank=0, local_size=1, source="none", job="")
         one_host = True

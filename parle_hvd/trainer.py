@@ -25,6 +25,7 @@ docs/algorithm.md, "Overlapped sync" and "Balanced inner steps".
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -88,6 +89,33 @@ class InFlight:
     t_sent: float               # when its sync was started
     pending: Optional[comm.Pending] = None
     rows: Optional[torch.Tensor] = None
+
+
+class InnerTimer:
+    """Seconds of one replica's inner loop, for parle.balance. On the CPU, host time. On a
+    GPU, CUDA events recorded on the stream the loop runs on, and a wait for that stream's
+    work alone: with parle.overlap the previous sync's allreduce is queued on the device too
+    (NCCL's stream), held there until the slowest rank joins, and a device-wide
+    ``torch.cuda.synchronize`` would add the slow replica's pace to the fast one's time,
+    freezing the split short of the right one."""
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.t0 = dev, time.monotonic()
+        self.start = None
+        if dev.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def seconds(self, wait=None) -> float:
+        """The loop's seconds; ``wait`` (a context manager, the watchdog's) guards the wait
+        for the stream, so that a device held up by a dead peer is named, not left to hang."""
+        if self.start is None:
+            return time.monotonic() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        with wait if wait is not None else contextlib.nullcontext():
+            end.synchronize()                  # this stream's work only, never the collective's
+        return self.start.elapsed_time(end) / 1000.0
 
 
 def pick_device(want: str, share: bool = False) -> torch.device:
@@ -239,7 +267,8 @@ class Trainer:
         self.speeds = [0.0] * world  # every replica's seconds per inner step, smoothed (parle.balance)
         self.inflight: Optional[InFlight] = None
         self.last_rows = torch.zeros(world, len(SLOT), dtype=torch.float64)   # the newest slot rows received
-        self.last_loss = float("nan")
+        self.last_loss, self.loss_step = float("nan"), None   # the mean training loss of the newest rows received, and their step
+        self.stop_ranks: set = set()  # ranks whose slot rows asked for a stop (with overlap they arrive a step early)
         self.overlapped_syncs = 0    # syncs waited for only in the next outer step (parle.overlap)
         self.ref_n = world           # how many replicas the current reference averages
         self.last_val = (float("nan"), float("nan"))       # test accuracy and loss at the last evaluation
@@ -463,7 +492,7 @@ class Trainer:
         for k in range(self.k + 1, K + 1):
             t_step = time.monotonic()
             plan = self.plans[k]                        # rank 0's, received in an earlier sync
-            losses, t_inner = self._inner_loop(plan)    # no communication (but dpsgd's)
+            losses, t_inner = self._inner_loop(k, plan)    # no communication (but dpsgd's)
             stop = self._receive(k) if self.inflight else False   # overlap: step k-1's sync, waited for only now
             self._outer_update(k, plan)                 # parle: the elastic pull toward the reference
             if _injected("PARLE_HVD_INJECT_NAN", self.rank, k):
@@ -480,7 +509,7 @@ class Trainer:
             # run makes the same evaluations (and the same summary) as an uninterrupted one.
             if eval_now:
                 self._evaluate(k, plan)                 # all ranks reach this
-            self.log.progress(k, f"loss {self.last_loss:.3f} val {self.last_val[0]:.4f}")
+            self.log.progress(k, self._progress_text(k))
             if ckpt_now or stop:
                 self.save_ckpt(k, last=k == K or stop)
             if stop and k < K:                          # a stop at K simply finishes
@@ -489,11 +518,11 @@ class Trainer:
                 self.member.commit_step(self.last_rows)
         return self.finish()
 
-    def _inner_loop(self, plan: Plan) -> tuple[list, float]:
+    def _inner_loop(self, k: int, plan: Plan) -> tuple[list, float]:
         """This replica's inner steps (L, or its share with parle.balance); returns their
-        losses (tensors, not synchronised) and the seconds they took."""
+        losses (tensors, not synchronised) and the seconds they took (InnerTimer)."""
         cfg, ds, model, algo, dev, dtype = self.cfg, self.ds, self.model, self.algo, self.dev, self.dtype
-        t0 = time.monotonic()
+        timer = InnerTimer(dev)
         algo.begin_outer()
         losses = []
         for _ in range(plan.steps[self.rank]):
@@ -507,9 +536,9 @@ class Trainer:
             loss.backward()
             algo.inner_step(gk=plan.gk, rk=plan.rk, lr=plan.lr, xbar=self.ref_params)
             losses.append(loss.detach())
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)            # the time of the work, not of its launch
-        return losses, time.monotonic() - t0
+        # every rank reaches this wait alike (one per outer step on a GPU), so heartbeats stay in step
+        wait = self.dog.collective("inner loop's device work", k) if dev.type == "cuda" else None
+        return losses, timer.seconds(wait)
 
     def _outer_update(self, k: int, plan: Plan) -> None:
         dump = os.environ.get("PARLE_HVD_DUMP_OUTER")     # testing hook (tests/test_overlap.py)
@@ -582,7 +611,7 @@ class Trainer:
         for a, sec in enumerate(rows[:, 7].tolist()):
             if sec > 0:                                # smoothed: one slow step must not swing the plan
                 self.speeds[a] = sec if self.speeds[a] <= 0 else 0.5 * self.speeds[a] + 0.5 * sec
-        self.last_rows, self.last_loss = rows, float(rows[:, 0].mean())
+        self.last_rows, self.last_loss, self.loss_step = rows, float(rows[:, 0].mean()), rec.step
         self.overlapped_syncs += rec.pending is not None and rec.step < k
         dt = (time.monotonic() if rec.step == k else rec.t_sent) - rec.t_start
         self._log_step(rec.step, rows, dt, rec.plan)
@@ -621,7 +650,16 @@ class Trainer:
                                   f"The last complete checkpoint (step {last}) is kept in {self.run_dir}/checkpoints")
         if bool(rows[:, 6].any()):
             self._raise_ckpt_failure([i for i in range(len(rows)) if rows[i, 6] > 0], k)
-        return bool(rows[:, 4].any())
+        stops = [i for i in range(len(rows)) if rows[i, 4] > 0]
+        self.stop_ranks.update(stops)
+        return bool(stops)
+
+    def _progress_text(self, k: int) -> str:
+        """With parle.overlap the newest rows are the previous step's (none yet at step 1):
+        the line says which step its loss is from rather than print a NaN."""
+        loss = ("loss -" if self.loss_step is None else f"loss {self.last_loss:.3f}"
+                + (f" (step {self.loss_step})" if self.loss_step != k else ""))
+        return loss + (f" val {self.last_val[0]:.4f}" if self.evals else " val -")
 
     def _evaluate(self, k: int, plan: Plan) -> None:
         """Evaluate the reference (test, and validation with data.val_frac). All ranks reach this."""
@@ -654,7 +692,7 @@ class Trainer:
         self.model.train()
 
     def _stopped(self, k: int) -> dict:
-        who = [i for i in range(len(self.last_rows)) if self.last_rows[i, 4] > 0]
+        who = sorted(self.stop_ranks)
         self.log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
                       f"resume with run.resume=true run.dir={self.run_dir}")
         self.log.close()

@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from multirank import ENGINE_OF, ROOT, MultiRankError, run_ranks
+from multirank import ENGINE_OF, ROOT, MultiRankError, horovod_installed, run_ranks
 
 # Horovod's engine under horovodrun --gloo and mpirun; torch.distributed's under torchrun and mpirun
 HVD = pytest.mark.horovod     # skipped where Horovod is not installed (conftest.py)
@@ -112,7 +112,7 @@ _LAUNCH_VARS = ("HOROVOD_RANK", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MA
 @pytest.fixture
 def bare_env(monkeypatch):
     for k in list(__import__("os").environ):
-        if k in _LAUNCH_VARS or k.startswith("OMPI_COMM_WORLD"):
+        if k in _LAUNCH_VARS or k.startswith(("OMPI_COMM_WORLD", "SLURM_", "MV2_", "PMI_", "PMIX_", "HOROVOD_")):
             monkeypatch.delenv(k)
     return monkeypatch
 
@@ -185,3 +185,159 @@ def test_one_module_per_engine():
             tdist[f.name] = True
     assert list(hvd) == ["comm.py"], hvd
     assert list(tdist) == ["torchdist.py"], tdist
+
+
+# ------------------------------------------------------------------------ the launcher's world, checked
+def test_srun_without_pmi_chooses_torch_and_every_launcher_states_its_world(bare_env):
+    """srun --mpi=none: Horovod's MPI would make each task rank 0 of a world of 1, so auto
+    takes torch.distributed, which reads SLURM's variables. Every launcher's count is read."""
+    from parle_hvd import comm
+    for k, v in dict(SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_NNODES="1").items():
+        bare_env.setenv(k, v)
+    assert comm.launched() and comm.resolve_engine("auto") == "torch"
+    assert comm.stated_world() == ("SLURM (srun)", 2, 1)
+    bare_env.setenv("SLURM_STEP_NUM_TASKS", "3")          # the step's count, not the job's
+    assert comm.stated_world() == ("SLURM (srun)", 3, 1)
+    bare_env.setenv("PMIX_RANK", "1")                     # srun --mpi=pmix: MPI sees the step
+    assert comm.resolve_engine("auto") == ("horovod" if horovod_installed() else "torch")
+    for k in ("SLURM_STEP_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NNODES", "SLURM_STEP_NUM_TASKS"):
+        bare_env.delenv(k)
+    assert comm.launched() and comm.stated_world() == ("PMIx", None, 1)   # a rank, no count
+    bare_env.delenv("PMIX_RANK")
+    for k, v in dict(MV2_COMM_WORLD_RANK="1", MV2_COMM_WORLD_SIZE="4").items():
+        bare_env.setenv(k, v)
+    assert comm.stated_world() == ("MVAPICH", 4, 1)
+    bare_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    bare_env.setenv("OMPI_COMM_WORLD_RANK", "0")
+    assert comm.stated_world() == ("OpenMPI (mpirun)", 2, 0)
+    bare_env.setenv("HOROVOD_RANK", "1")
+    bare_env.setenv("HOROVOD_SIZE", "2")
+    assert comm.stated_world() == ("horovodrun", 2, 1)
+    bare_env.setenv("HOROVOD_ELASTIC", "1")               # the world changes: nothing to hold it to
+    assert comm.stated_world() is None
+
+
+def _two_tasks(tmp_path, mode, overrides, timeout=120):
+    """Two processes of train.py with a launcher's variables but no launcher (srun
+    --mpi=none's SLURM variables, or MVAPICH's, or PMIx's rank alone)."""
+    import os
+    run = tmp_path / f"run-{mode}"
+    procs = []
+    for r in (0, 1):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OMPI_", "SLURM_", "MV2_", "PMI_", "PMIX_", "HOROVOD_", "PARLE_HVD_ENGINE"))}
+        env.update({"slurm": dict(SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
+                                  SLURM_NNODES="1", SLURM_JOB_ID=f"{os.getpid()}"),
+                    "mv2": dict(MV2_COMM_WORLD_RANK=str(r), MV2_COMM_WORLD_SIZE="2", MV2_COMM_WORLD_LOCAL_RANK=str(r),
+                                MV2_COMM_WORLD_LOCAL_SIZE="2", MPIRUN_ID=f"{os.getpid()}"),
+                    "pmix": dict(PMIX_RANK=str(r))}[mode])
+        procs.append(subprocess.Popen(
+            [sys.executable, "train.py", "--config", "configs/fashion_parle.yaml", "data.train_limit=1280",
+             "data.test_limit=200", "train.epochs=1", "parle.sync_period=5", "train.batch_size=64",
+             "eval.bn_batches=1", "run.progress=lines", "dist.threads=1", f"run.dir={run}", *overrides],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.wait(timeout=timeout), p.stdout.read()))
+        finally:
+            p.kill()
+    return run, outs
+
+
+@pytest.mark.parametrize("mode,overrides,needle", [
+    pytest.param("slurm", ["dist.engine=horovod"], "SLURM (srun) started 2 tasks (this one rank 0), but the horovod "
+                 "engine made it rank 0 of a world of 1", marks=HVD),
+    pytest.param("mv2", [], "MVAPICH started 2 tasks (this one rank 0), but the horovod engine made it rank 0 of a "
+                 "world of 1", marks=HVD),
+    ("pmix", ["dist.engine=torch"], "launched through PMIx (PMIX_RANK) without a task count"),
+])
+def test_a_launched_task_never_trains_alone(tmp_path, mode, overrides, needle):
+    """srun without PMI under Horovod, MVAPICH's launcher (Horovod here is OpenMPI's), PMIx
+    without a count: each ends with one line naming the launcher and the fix, exit 2, before
+    any file is written (today's failure: n singletons writing one run directory)."""
+    run, outs = _two_tasks(tmp_path, mode, overrides)
+    for rc, out in outs:
+        assert rc == 2, out
+    lines = [l for _, out in outs for l in out.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines   # rank 0's, once
+    assert "srun --mpi=pmix" in lines[0] or "dist.engine=torch" in lines[0] or "torchrun" in lines[0]
+    assert not run.exists()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["slurm", "mv2"])
+def test_torch_engine_forms_the_launchers_world(tmp_path, mode):
+    """The same two processes train as one world of 2 through torch.distributed: chosen by
+    auto under srun without PMI (and said so), asked for under MVAPICH."""
+    import json
+    run, outs = _two_tasks(tmp_path, mode, ["dist.engine=torch"] if mode == "mv2" else [], timeout=180)
+    assert [rc for rc, _ in outs] == [0, 0], outs
+    s = json.loads((run / "summary.json").read_text())
+    assert (s["world_size"], s["engine"]) == (2, "torch")
+    assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
+    if mode == "slurm":
+        assert "srun gave its 2 tasks no MPI world (--mpi=none): dist.engine=torch chosen" in outs[0][1]
+
+
+def test_slurm_world_is_the_steps_layout(bare_env, tmp_path):
+    """A step on part of the allocation (n3-n4 of n[1-4]) meets at its own first node, not
+    the job's; an uneven layout (3 tasks on 2 nodes, 2(x1),1) gives the lone rank local_size
+    1. scontrol is a fake here that knows four nodes and their addresses."""
+    from parle_hvd import slurm
+    from parle_hvd.torchdist import world_from_env
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/bash\n"
+                    "if [[ \"$1 $2\" == 'show hostnames' ]]; then case $3 in 'n[1-4]') echo n1 n2 n3 n4;; 'n[3-4]') echo n3 n4;;"
+                    " *) exit 1;; esac; fi\n"
+                    "if [[ \"$1 $2\" == 'show node' ]]; then echo \"NodeName=$3 Arch=x86_64 NodeAddr=10.0.0.${3#n} NodeHostName=$3\"; fi\n")
+    fake.chmod(0o755)
+    bare_env.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert slurm.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert slurm.expand_tasks_per_node("4") == [4]
+    with pytest.raises(slurm.SlurmError, match="tasks per node"):
+        slurm.expand_tasks_per_node("2(x)")
+    for k, v in dict(SLURM_JOB_ID="9", SLURM_STEP_ID="1", SLURM_JOB_NODELIST="n[1-4]", SLURM_NNODES="4",
+                     SLURM_NTASKS="8", SLURM_TASKS_PER_NODE="2(x4)",
+                     SLURM_STEP_NODELIST="n[3-4]", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NUM_TASKS="3",
+                     SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_NODEID="1", SLURM_PROCID="2", SLURM_LOCALID="0").items():
+        bare_env.setenv(k, v)
+    w = world_from_env()
+    assert (w["rank"], w["size"], w["local_rank"], w["local_size"], w["addr"]) == (2, 3, 0, 1, "10.0.0.3")
+    bare_env.delenv("MASTER_ADDR")
+    bare_env.setenv("SLURM_NODEID", "0")
+    bare_env.setenv("SLURM_PROCID", "1")
+    bare_env.setenv("SLURM_LOCALID", "1")
+    w = world_from_env()
+    assert (w["rank"], w["size"], w["local_rank"], w["local_size"], w["addr"]) == (1, 3, 1, 2, "10.0.0.3")
+
+
+def test_slurm_sbatch_torchrun_starts_each_nodes_own_task_count(tmp_path):
+    """LAUNCHER=torchrun on an uneven layout (3 tasks on 2 nodes: 2,1): one torchrun per
+    node with that node's count, all meeting at the first node's NodeAddr. srun, scontrol and
+    torchrun are fakes that print what they were asked to do."""
+    import os
+    from multirank import VENV_BIN, run_command
+    (tmp_path / "srun").write_text("#!/bin/bash\n"      # one copy of the command per node, as srun would
+                                   "while [[ $1 == --* ]]; do shift; done\n"
+                                   "for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i \"$@\"; done\n")
+    (tmp_path / "scontrol").write_text("#!/bin/bash\n[[ $2 == hostnames ]] && echo n1 n2 && exit 0\n"
+                                       "echo \"NodeName=$3 NodeAddr=10.9.0.${3#n}\"\n")
+    (tmp_path / "torchrun").write_text("#!/bin/bash\necho \"torchrun $*\"\n")
+    for f in ("srun", "scontrol", "torchrun"):
+        (tmp_path / f).chmod(0o755)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "torchrun").symlink_to(tmp_path / "torchrun")
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "LAUNCHER": "torchrun", "VENV": os.path.relpath(venv, ROOT),
+           "SHARED": str(tmp_path / "shared"), "SLURM_JOB_ID": "42", "SLURM_NNODES": "2", "SLURM_NTASKS": "3",
+           "SLURM_TASKS_PER_NODE": "2,1", "SLURM_JOB_NODELIST": "n[1-2]", "PYTHONPATH": str(ROOT)}
+    rc, out = run_command(["bash", "launch/slurm.sbatch", "train.epochs=1"], env=env, timeout=60)
+    assert rc == 0, out
+    runs = [l for l in out.splitlines() if l.startswith("torchrun ")]
+    assert len(runs) == 2, out
+    for line, n in zip(runs, (2, 1)):
+        assert line.startswith(f"torchrun --nproc-per-node {n} --nnodes 2 --rdzv-backend c10d "
+                               f"--rdzv-endpoint 10.9.0.1:29400 --rdzv-id 42 --no-python "), line
+        assert "train.py --config configs/fashion_parle.yaml" in line and line.endswith("train.epochs=1"), line

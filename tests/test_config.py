@@ -81,6 +81,7 @@ def test_cli_help():
     (["run.dir=/proc/forbidden", "dist.backend=none"], "run.dir: cannot write"),
     (["run.resume=true", "run.dir=EMPTY", "dist.backend=none"], "no complete checkpoint"),
     (["train.batch_size=5000", "data.train_limit=1000", "dist.backend=none"], "larger than a replica's data"),
+    (["algo=entropy", "parle.balance=time", "parle.overlap=true"], "parle.overlap: is Parle's only"),
 ])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, needle):
     args = [a.replace("EMPTY", str(tmp_path)) for a in args]
@@ -184,4 +185,17 @@ def test_exponent_without_a_dot_is_a_number():
 def test_overlap_and_balance_are_refused_in_elastic_mode(override, needle):
     with pytest.raises(ConfigError, match=needle):
         make_config(None, ["dist.elastic=true", override])
-    assert make_config(None, ["dist.elastic=true", override, "algo=localsgd"]).algo == "localsgd"   # Parle's keys only
+    # Parle's keys only: any other algorithm refuses them, elastic or not (issue 21, item 3)
+    with pytest.raises(ConfigError, match=override.split("=")[0] + ": is Parle's only"):
+        make_config(None, ["dist.elastic=true", override, "algo=localsgd"])
+
+
+@pytest.mark.parametrize("algo", ["entropy", "sgd", "dpsgd", "elastic", "localsgd", "diloco"])
+@pytest.mark.parametrize("override", ["parle.overlap=true", "parle.balance=time"])
+def test_overlap_and_balance_are_parles_only(algo, override):
+    """algo=entropy inherited Parle's overlap and balance: rank 0's replica, the one evaluated,
+    ran fewer inner steps than asked. Every algorithm but Parle refuses them: one line, exit 2."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"^{key}: is Parle's only \\(algo=parle\\), not algo={algo}"):
+        make_config(None, [f"algo={algo}", override])
+    assert make_config(None, [f"algo={algo}", key + ("=false" if "overlap" in key else "=off")]).algo == algo

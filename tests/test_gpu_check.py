@@ -17,7 +17,8 @@ def test_gpu_check_dry_run_goes_through_every_step(tmp_path):
                           timeout=400)
     assert rc == 0, out
     for s in ("== ", "2. unit tier, device cpu", "3. samples per second", "4. 2 ranks sharing the device",
-              "5. the same under torchrun", "two ranks on cpu (torch gloo)"):
+              "5. the same under torchrun", "two ranks on cpu (torch gloo)", "6. parle.overlap and parle.balance=time",
+              "overlap and balance: "):
         assert s in out, (s, out)
     assert "1. Horovod" not in out                          # the dry run builds nothing
     thr = (tmp_path / "throughput.txt").read_text()

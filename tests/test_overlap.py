@@ -3,6 +3,8 @@ float64 against PARLE.md's formula written out by hand, one allreduce per outer 
 identical references on every rank, the same result as the blocking loop, and exact
 resume after kill -9 with both on."""
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
 from parle_hvd import checkpoint
+from parle_hvd.config import ParleConfig
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 pytestmark = [pytest.mark.multirank,
@@ -53,6 +56,14 @@ def test_overlapped_update_is_parle_md_in_float64_and_identical_to_blocking(tmp_
     assert s["allreduce_calls"] == K + 1 + s["evaluations"] == runs[False][0]["allreduce_calls"]
     d0, d1 = _dumps(dump, 0), _dumps(dump, 1)
     assert [d["step"] for d in d0] == [d["step"] for d in d1] == list(range(1, K + 1))
+    # each outer step used its own plan, not the one before or after: PARLE.md's rk at step k,
+    # (1/rho0) (1 + s/nb)^k below its cap, different at every step of this run
+    P, nb = ParleConfig(), json.loads((run / "run.json").read_text())["batches_per_pass"]
+    for d in d0:
+        want = min(P.rho0_inv * (1 + P.scoping / nb) ** d["step"], P.rho_min_inv)
+        assert math.isclose(d["rk"], want, rel_tol=1e-12), (d["step"], d["rk"], want)
+        assert d["lr"] == runs[False][0]["config"]["optim"]["lr"] and d["steps"] == (5, 5)
+    assert len({d["rk"] for d in d0}) == K
     for k in range(K):
         a, b = d0[k], d1[k]
         # identical references on every rank, and rank 0's schedule on both
@@ -107,5 +118,51 @@ def test_exact_resume_after_kill9_with_overlap_and_balance(tmp_path):
     assert sorted(steps) == list(range(1, s_a["outer_steps"] + 1))
     assert all(p + q == 2 * 5 and min(p, q) >= 1 for p, q in steps.values())
     assert steps[1] == steps[2] == (5, 5)
+    # step 3 ran the plan of sync 1 (made before any speed was known): sync 2, which carries
+    # a new plan for step 3 as well, is waited for only after step 3's inner loop
+    assert steps[3] == (5, 5), steps
     assert all(v == (3, 7) for k, v in steps.items() if k >= 4), steps
     assert s_a["samples_seen"] == s_a["outer_steps"] * 2 * 5 * 64
+
+
+def test_stop_divergence_and_checkpoint_failure_with_overlap(tmp_path):
+    """With parle.overlap a flag is read one outer step after it was sent. A stop asked on
+    rank 1 in step 4 stops every rank after step 5, names rank 1, and resumes to the
+    uninterrupted run's weights; a NaN on rank 1 in step 7 is named at step 7 (the
+    checkpoint of step 6 kept); rank 1 unable to write step 2's checkpoint stops every rank
+    after step 3 with its message. The progress line never shows a NaN loss."""
+    common = [*CFG, *SMALL, "train.epochs=3", "eval.every=1", "run.log_every=1", "run.ckpt_every=3",
+              "parle.overlap=true"]
+    ref = tmp_path / "ref"
+    run_ranks(TRAIN, args=[*common, f"run.dir={ref}"], timeout=240, reports=False)
+    d = tmp_path / "stop"
+    out = run_ranks(TRAIN, args=[*common, f"run.dir={d}"], env={"PARLE_HVD_INJECT_STOP": "1:4"}, timeout=240,
+                    reports=False)
+    o = out[0]["_output"]
+    assert "stopped after outer step 5 on a signal to rank(s) [1]" in o, o
+    assert "step 1: loss - val -" in o and not re.search(r"step \d+: loss nan", o), o
+    assert checkpoint.latest_complete(d, 2) == 5 and not (d / "summary.json").exists()
+    run_ranks(TRAIN, args=[*common, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
+    fa, fb = torch.load(ref / "final.pt"), torch.load(d / "final.pt")
+    assert all(torch.equal(fa[n], fb[n]) for n in fa)
+    s_a, s_b = (json.loads((x / "summary.json").read_text()) for x in (ref, d))
+    assert (s_a["test_accuracy"], s_a["allreduce_calls"]) == (s_b["test_accuracy"], s_b["allreduce_calls"])
+
+    d = tmp_path / "nan"
+    out = run_ranks(TRAIN, args=[*common, f"run.dir={d}"], env={"PARLE_HVD_INJECT_NAN": "1:7"}, timeout=240,
+                    reports=False, expect_fail=True)
+    o = out[0]["_output"]
+    assert out[0]["_rc"] != 0, o          # (3 from the rank; launch/local.sh passes it on, horovodrun says 1)
+    assert "non-finite loss or weights on rank(s) [1] at outer step 7" in o and "(step 6) is kept" in o, o
+    assert checkpoint.latest_complete(d, 2) == 6 and not checkpoint.step_dir(d, 7).exists()
+    assert not (d / "summary.json").exists()
+
+    d = tmp_path / "ckpt"
+    out = run_ranks(TRAIN, args=[*common, "run.ckpt_every=2", f"run.dir={d}"], env={"PARLE_TEST_RANK1_FSIZE": "200000"},
+                    timeout=240, reports=False, expect_fail=True)
+    o = out[0]["_output"]
+    assert out[0]["_rc"] != 0, o
+    assert re.search(r"^\[1\](<stderr>)?:error: run.dir: rank 1 cannot write checkpoint step 2", o, re.M), o
+    assert re.search(r"^\[0\](<stderr>)?:error: run.dir: rank\(s\) \[1\] could not write their checkpoint \(their "
+                     r"message above\); stopped after outer step 3", o, re.M), o
+    assert (checkpoint.step_dir(d, 2) / "rank-0.pt").is_file() and checkpoint.latest_complete(d, 2) is None

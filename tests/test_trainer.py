@@ -242,3 +242,50 @@ def test_batches_on_the_models_device_and_the_data_moved_once(tmp_path, monkeypa
     assert moves == [dev]                                   # once, to the model's device
     assert len(seen) == 20 and {s[0] for s in seen} == {dev} and {s[2] for s in seen} == {dev}
     assert len({s[1] for s in seen}) == 1                  # one storage: nothing copied per step
+
+
+def test_inner_loop_timer_on_a_gpu_waits_for_its_own_stream_not_the_device(monkeypatch):
+    """parle.balance on a GPU: with parle.overlap the previous sync's allreduce is queued on
+    the device and waits for the slowest rank, so a device-wide torch.cuda.synchronize gave
+    the fast replica the slow one's time. The timer records CUDA events on the loop's stream,
+    waits for that stream alone, under the watchdog's guard, and reads the events' time.
+    (Fake events: no GPU here; launch/gpu_check.sh runs the real thing.)"""
+    import contextlib
+    from parle_hvd import trainer
+    calls = []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            Event.clock += 0.75                # 0.75 s of device work between the two records
+            self.t = Event.clock
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("wait for the stream")
+
+        def elapsed_time(self, end):           # milliseconds, as CUDA's
+            return (end.t - self.t) * 1000.0
+
+    def device_wide(*a, **k):
+        raise AssertionError("torch.cuda.synchronize: waits for the sync's allreduce too")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+
+    @contextlib.contextmanager
+    def guard():
+        calls.append("watchdog on")
+        yield
+        calls.append("watchdog off")
+
+    timer = trainer.InnerTimer(torch.device("cuda", 0))
+    assert timer.seconds(guard()) == pytest.approx(0.75)
+    assert calls == ["record", "record", "watchdog on", "wait for the stream", "watchdog off"]
+    cpu = trainer.InnerTimer(torch.device("cpu"))          # on the CPU: host time, no events
+    assert 0 <= cpu.seconds() < 5 and calls[-1] == "watchdog off"
