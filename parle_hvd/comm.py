@@ -169,6 +169,11 @@ def resolve_engine(engine: str = "auto") -> str:
     if engine == "torch" and "HOROVOD_RANK" in os.environ:
         raise EngineError("dist.engine=torch: this process was started by horovodrun, whose ranks only Horovod "
                           "joins; launch with torchrun (launch/torchrun.sh), mpirun or srun")
+    if engine == "horovod" and _srun_without_pmi():
+        # (checked before init: OpenMPI's MPI_Init aborts under such a step, or forms a world of 1)
+        raise EngineError(f"dist.engine=horovod: srun started {stated_world()[1]} tasks without PMI (--mpi=none), so "
+                          f"MPI cannot see the step and each task would train alone; launch with srun --mpi=pmix, "
+                          f"or use dist.engine=torch")
     if engine == "horovod" and not horovod_available():
         raise EngineError("dist.engine=horovod: Horovod is not installed (make setup builds it; "
                           "PARLE_HVD_ENGINE=torch make setup skips it); use dist.engine=torch")

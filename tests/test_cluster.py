@@ -62,6 +62,30 @@ def test_slurm_sbatch_trains_and_requeue_resumes(tmp_path):
             assert s["world_size"] == 2 and (s["engine"], s["controller"]) == ("torch", "gloo")
             assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
 
+            # 1c. srun --mpi=none (no PMI): Horovod's MPI would give each task a world of 1.
+            #     auto takes torch.distributed from SLURM's variables and says so; Horovod asked
+            #     for ends every task with one line and exit 2, nothing written
+            py = ROOT / ".venv/bin/python" if (ROOT / ".venv/bin/python").exists() else Path(__import__("sys").executable)
+            for engine in (["auto", "horovod"] if HOROVOD else ["auto"]):
+                run = shared / f"mpi-none-{engine}"
+                line = (f"{py} train.py --config configs/fashion_parle.yaml {' '.join(SMALL)} train.epochs=0.5 "
+                        f"dist.threads=1 dist.engine={engine} run.dir={run}")
+                job = slurm.sbatch(["--ntasks=2", "-o", f"{tmp_path}/slurm-%j.out", "--wrap",
+                                    f"srun --mpi=none --kill-on-bad-exit=1 {line}"], cwd=ROOT)
+                state = slurm.wait(job, timeout=300)
+                out = (tmp_path / f"slurm-{job}.out").read_text()
+                if engine == "auto":
+                    assert state == "COMPLETED", out + slurm.logs()
+                    assert "srun gave its 2 tasks no MPI world (--mpi=none): dist.engine=torch chosen" in out, out
+                    s = _summary(run)
+                    assert (s["world_size"], s["engine"]) == (2, "torch")
+                    assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
+                else:
+                    assert state == "FAILED", out
+                    assert ("error: dist.engine=horovod: srun started 2 tasks without PMI (--mpi=none), so MPI cannot "
+                            "see the step") in out and "srun --mpi=pmix" in out, out
+                    assert not run.exists()
+
             # 2. preemption: requeue a running job after its first checkpoint; the same job id
             #    comes back, finds the checkpoint and resumes from it
             job = slurm.sbatch(["--ntasks=2", "-o", f"{tmp_path}/slurm-%j.out", "launch/slurm.sbatch",

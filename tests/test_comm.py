@@ -195,6 +195,8 @@ def test_srun_without_pmi_chooses_torch_and_every_launcher_states_its_world(bare
     for k, v in dict(SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_NNODES="1").items():
         bare_env.setenv(k, v)
     assert comm.launched() and comm.resolve_engine("auto") == "torch"
+    with pytest.raises(comm.EngineError, match=r"srun started 2 tasks without PMI \(--mpi=none\)"):
+        comm.resolve_engine("horovod")
     assert comm.stated_world() == ("SLURM (srun)", 2, 1)
     bare_env.setenv("SLURM_STEP_NUM_TASKS", "3")          # the step's count, not the job's
     assert comm.stated_world() == ("SLURM (srun)", 3, 1)
@@ -246,8 +248,8 @@ def _two_tasks(tmp_path, mode, overrides, timeout=120):
 
 
 @pytest.mark.parametrize("mode,overrides,needle", [
-    pytest.param("slurm", ["dist.engine=horovod"], "SLURM (srun) started 2 tasks (this one rank 0), but the horovod "
-                 "engine made it rank 0 of a world of 1", marks=HVD),
+    pytest.param("slurm", ["dist.engine=horovod"], "dist.engine=horovod: srun started 2 tasks without PMI "
+                 "(--mpi=none), so MPI cannot see the step", marks=HVD),
     pytest.param("mv2", [], "MVAPICH started 2 tasks (this one rank 0), but the horovod engine made it rank 0 of a "
                  "world of 1", marks=HVD),
     ("pmix", ["dist.engine=torch"], "launched through PMIx (PMIX_RANK) without a task count"),
