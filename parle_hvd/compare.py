@@ -286,9 +286,14 @@ def main(argv=None) -> int:
         print(f"error: --seeds: must be >= 1, got {a.seeds}", file=sys.stderr)
         return 2
     try:
-        base = make_config(a.config, a.overrides).train.seed
+        c0 = make_config(a.config, a.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    base = c0.train.seed
+    if c0.eval.metric != "accuracy":     # the tables, time to target and selection read test/valid accuracy
+        print(f"error: eval.metric: parle_hvd.compare ranks runs by accuracy only so far, not {c0.eval.metric} "
+              f"(train.py reports it: test_{c0.eval.metric} in summary.json)", file=sys.stderr)
         return 2
     name = a.name or Path(a.config).stem
     out = Path(a.reports) / name

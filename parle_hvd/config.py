@@ -12,7 +12,7 @@ import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, List, Union
+from typing import Any, Dict, List, Union
 
 import yaml
 
@@ -27,6 +27,8 @@ def _f(default, help: str, choices=None):
         md["choices"] = tuple(choices)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=md)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=md)
     return field(default=default, metadata=md)
 
 
@@ -50,6 +52,9 @@ class DataConfig:
     augment: bool = _f(False, "random crop (4-pixel pad) and horizontal flip on training batches")
     val_frac: float = _f(0.0, "hold out this fraction of each class of the training set as a validation split "
                          "(fixed by train.seed), evaluated with the test set (valid/* metrics)")
+    target: str = _f("", "your dataset instead of data.name: module:function or file.py:function returning "
+                     "(train, test) or (train, test, validation) torch Datasets of (input, target) pairs")
+    kwargs: Dict[str, Any] = _f({}, "keyword arguments for data.target")
 
     def __post_init__(self):
         _check(0.0 < self.frac <= 1.0, "data.frac", f"must be in (0, 1], got {self.frac}")
@@ -58,6 +63,11 @@ class DataConfig:
         _check(0.0 < self.test_frac < 1.0, "data.test_frac", f"must be in (0, 1), got {self.test_frac}")
         _check(0.0 <= self.val_frac < 1.0, "data.val_frac", f"must be in [0, 1), got {self.val_frac}")
         _check(self.image_size >= 0, "data.image_size", "must be >= 0")
+        # a data.target dataset holds any kind of example: no class-stratified split, no image augmentation
+        _check(not (self.target and self.val_frac), "data.val_frac",
+               "not with data.target: return the validation set from it, (train, test, validation)")
+        _check(not (self.target and self.augment), "data.augment", "not with data.target (its examples are read "
+               "once and kept; pad-crop and flip are for the built-in image datasets)")
 
 
 @dataclass
@@ -67,6 +77,9 @@ class ModelConfig:
     depth: int = _f(28, "WRN depth d (6n+4)")
     width: int = _f(10, "WRN widening factor k")
     dtype: str = _f("float32", "parameter dtype", ["float32", "float64"])
+    target: str = _f("", "your model instead of model.name: module:function or file.py:function returning a "
+                     "torch.nn.Module, called with model.kwargs")
+    kwargs: Dict[str, Any] = _f({}, "keyword arguments for model.target")
 
     def __post_init__(self):
         _check(self.dropout == -1.0 or 0.0 <= self.dropout < 1.0, "model.dropout",
@@ -187,6 +200,8 @@ class TrainConfig:
     seed: int = _f(42, "base seed; replica a uses seed + a for its weights and data order")
     block: int = _f(25, "sgd, dpsgd: optimizer steps per outer step (the unit of logging, evaluation "
                     "and checkpoints; these algorithms have no sync of their own)")
+    loss: str = _f("cross_entropy", "training (and evaluation) loss: cross_entropy (over the last dimension; "
+                   "a sequence's every position), or module:function / file.py:function (output, target) -> scalar")
 
     def __post_init__(self):
         _check(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
@@ -200,6 +215,9 @@ class EvalConfig:
     bn_batches: int = _f(20, "recompute the reference's BatchNorm statistics on this many "
                          "training batches before evaluating (0: use the averaged statistics)")
     batch_size: int = _f(1000, "evaluation batch size")
+    metric: str = _f("accuracy", "what summary.json and compare report beside the loss: accuracy (argmax over the "
+                     "last dimension), loss, perplexity (exp of the mean loss), or module:function / file.py:function "
+                     "(output, target) -> a batch's mean, averaged over examples")
 
     def __post_init__(self):
         _check(self.every > 0, "eval.every", "must be > 0")
@@ -302,6 +320,8 @@ ELASTIC_ALGOS = ("parle", "elastic", "localsgd", "diloco")
 def _type_name(tp) -> str:
     if typing.get_origin(tp) in (list, List):
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if typing.get_origin(tp) in (dict, Dict):
+        return "mapping"
     if typing.get_origin(tp) is Union:
         return "|".join(_type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
@@ -318,6 +338,10 @@ def _coerce(key: str, tp, value: Any):
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: expected a number or a word, got {value!r}")
+    if origin in (dict, Dict):
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values (e.g. {key}={{n_layer: 2}}), got {value!r}")
+        return dict(value)
     if origin in (list, List):
         (inner,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):

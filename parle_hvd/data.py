@@ -459,7 +459,11 @@ def _norm_constants(mean: tuple, std: tuple, dtype: torch.dtype, device: torch.d
 
 def to_input(x_u8: torch.Tensor, mean, std, dtype=torch.float32) -> torch.Tensor:
     """uint8 [B,C,H,W] -> normalised float ``(x/255 - mean)/std``, on the whole batch, in
-    two passes (one multiply-subtract per channel); the constants are made once per device."""
+    two passes (one multiply-subtract per channel); the constants are made once per device.
+    Without statistics (a ``data.target`` dataset, targets.py) the input goes in as it is:
+    floating inputs cast to ``dtype``, integer ones (token ids) unchanged."""
+    if mean is None:
+        return x_u8.to(dtype) if x_u8.is_floating_point() else x_u8
     scale, shift = _norm_constants(tuple(mean), tuple(std), dtype, x_u8.device)
     return x_u8.to(dtype).mul_(scale).sub_(shift)
 

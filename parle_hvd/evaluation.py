@@ -3,7 +3,6 @@ validation) loss and accuracy, sharded across ranks and summed in one allreduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import comm
@@ -36,34 +35,38 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
 
 
 @torch.no_grad()
-def _shard_sums(ref: nn.Module, x_all, y_all, ds, rank: int, world: int, batch_size: int, dtype, dev) -> list:
-    """[correct, summed loss, count] of the reference on this rank's shard of (x_all, y_all)."""
+def _shard_sums(ref: nn.Module, x_all, y_all, ds, rank: int, world: int, batch_size: int, dtype, dev, obj) -> list:
+    """[metric sum, summed loss, count] of the reference on this rank's shard of (x_all,
+    y_all); ``obj`` (targets.Objective) says how a batch is scored."""
     n = len(x_all)
     lo, hi = (rank * n) // world, ((rank + 1) * n) // world
-    correct = loss = 0.0
+    tot = [0.0, 0.0, 0.0]
     for i in range(lo, hi, batch_size):
         x = to_input(x_all[i:min(i + batch_size, hi)].to(dev), ds.mean, ds.std, dtype)
         y = y_all[i:min(i + batch_size, hi)].to(dev)
-        out = ref(x)
-        loss += float(F.cross_entropy(out, y, reduction="sum"))
-        correct += float((out.argmax(1) == y).sum())
-    return [correct, loss, float(hi - lo)]
+        tot = [a + b for a, b in zip(tot, obj.sums(ref(x), y))]
+    return tot
 
 
 @torch.no_grad()
-def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list):
-    """Test loss and accuracy of the reference (and, with a validation split, its
-    validation loss and accuracy), each set sharded across ranks and the sums allreduced in
-    float64 together with ``extra`` slot rows: one allreduce. All ranks reach this.
-    Returns (test acc, test loss, rows, (valid acc, valid loss) or None)."""
+def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list,
+             obj=None):
+    """Test metric and loss of the reference (and, with a validation split, its validation
+    metric and loss), each set sharded across ranks and the sums allreduced in float64
+    together with ``extra`` slot rows: one allreduce. All ranks reach this. ``obj``
+    (targets.Objective; default cross-entropy and accuracy) scores a batch.
+    Returns (test metric, test loss, rows, (valid metric, valid loss) or None)."""
+    if obj is None:
+        from .targets import objective
+        obj = objective()
     ref.eval()
-    parts = _shard_sums(ref, ds.test_x, ds.test_y, ds, rank, world, batch_size, dtype, dev)
+    parts = _shard_sums(ref, ds.test_x, ds.test_y, ds, rank, world, batch_size, dtype, dev, obj)
     if ds.val_x is not None:
-        parts += _shard_sums(ref, ds.val_x, ds.val_y, ds, rank, world, batch_size, dtype, dev)
+        parts += _shard_sums(ref, ds.val_x, ds.val_y, ds, rank, world, batch_size, dtype, dev, obj)
     sums = torch.tensor(parts, dtype=torch.float64)
     rows = torch.zeros(world, len(extra), dtype=torch.float64)
     rows[rank] = torch.tensor(extra, dtype=torch.float64)
     comm.allreduce_sum_([sums, rows], name="eval")   # all ranks reach this
     v = sums.tolist()
-    valid = (v[3] / v[5], v[4] / v[5]) if len(v) > 3 else None
-    return v[0] / v[2], v[1] / v[2], rows, valid
+    valid = (obj.finish(v[3], v[5]), v[4] / v[5]) if len(v) > 3 else None
+    return obj.finish(v[0], v[2]), v[1] / v[2], rows, valid

@@ -39,7 +39,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, comm
@@ -54,6 +53,7 @@ from .parle import balance_steps
 from .logger import RunLogger
 from .membership import Membership
 from .models import build_model, sync_tensors
+from .targets import Objective, TargetError, build_user_model, check_loss, load_user_dataset, objective
 from .rundir import RunError, agree_on_checkpoint, discard_if_empty, git_sha, start_run, versions
 from .watchdog import StopSignal, Watchdog
 
@@ -167,6 +167,52 @@ class Trainer:
         self.resumed_from = None
         self.ckpt_world = self.world
         self.t_start = time.monotonic()
+        self.obj = self._resolve_targets()
+
+    def _resolve_targets(self) -> Objective:
+        """The loss and metric, and any model, dataset, loss or metric named by import path
+        (targets.py), imported and tried once here: on every rank alike, before any
+        collective, so that a bad one ends every rank with the same one line (exit 2)."""
+        cfg = self.cfg
+        try:
+            obj = objective(cfg.train.loss, cfg.eval.metric)
+            if cfg.model.target or cfg.data.target or not obj.builtin_loss or obj.metric_fn is not None:
+                ds = self._load_data()
+                rng = torch.get_rng_state()
+                model = self._new_model(ds).to(dtype=getattr(torch, cfg.model.dtype))
+                check_loss(obj, model, to_input(ds.train_x[:2], ds.mean, ds.std, getattr(torch, cfg.model.dtype)),
+                           ds.train_y[:2], cfg.train.loss)
+                torch.set_rng_state(rng)       # the trial leaves the run's random streams as they were
+        except TargetError as e:
+            raise RunError(str(e)) from None
+        return obj
+
+    def _load_data(self):
+        """The dataset (built in, or data.target's), with its limits and validation split;
+        once per rank."""
+        cfg = self.cfg
+        if self.ds is None:
+            if cfg.data.target:
+                ds = load_user_dataset(cfg.data.target, cfg.data.kwargs)
+                if cfg.data.train_limit:
+                    ds.train_x, ds.train_y = ds.train_x[:cfg.data.train_limit], ds.train_y[:cfg.data.train_limit]
+                if cfg.data.test_limit:
+                    ds.test_x, ds.test_y = ds.test_x[:cfg.data.test_limit], ds.test_y[:cfg.data.test_limit]
+            else:
+                ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit,
+                                  cfg=cfg.data, seed=cfg.train.seed)
+            if cfg.data.val_frac:       # the same split on every rank: it depends on the seed only
+                ds = hold_out(ds, cfg.data.val_frac, seed=cfg.train.seed)
+            self.ds = ds
+        return self.ds
+
+    def _new_model(self, ds) -> nn.Module:
+        """model.target's module, or the built-in model.name sized to the dataset."""
+        m = self.cfg.model
+        if m.target:
+            return build_user_model(m.target, m.kwargs)
+        return build_model(m.name, num_classes=ds.num_classes, in_channels=ds.shape[0], image_size=ds.shape[1],
+                           dropout=m.dropout, depth=m.depth, width=m.width)
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -216,13 +262,7 @@ class Trainer:
 
         # Data: every replica holds the whole dataset in memory (uint8) and its own window/order;
         # data-parallel SGD gives each rank a disjoint shard instead.
-        if self.ds is None:
-            self.ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data,
-                                   seed=cfg.train.seed)
-            if cfg.data.val_frac:       # the same split on every rank: it depends on the seed only
-                self.ds = hold_out(self.ds, cfg.data.val_frac, seed=cfg.train.seed)
-            self.ds = to_device(self.ds, dev)     # a GPU rank: the data moves once, batches are made there
-        ds = self.ds
+        self.ds = ds = to_device(self._load_data(), dev)   # a GPU rank: the data moves once, batches are made there
         # dpsgd: frac = 1/n cuts disjoint shards that cover the data (data.window_bounds)
         split, frac = (("frac", 1.0 / world0) if algo_cls.shard_data and world0 > 1 else (cfg.data.split, cfg.data.frac))
         idx = replica_indices(len(ds.train_x), rank=replica_id, world=world0, split=split, frac=frac, seed=cfg.train.seed)
@@ -236,9 +276,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + replica_id)
         random.seed(cfg.train.seed + replica_id)
         np.random.seed((cfg.train.seed + replica_id) % 2**32)
-        self.model = build_model(cfg.model.name, num_classes=ds.num_classes, in_channels=ds.shape[0],
-                                 image_size=ds.shape[1], dropout=cfg.model.dropout, depth=cfg.model.depth,
-                                 width=cfg.model.width).to(device=dev, dtype=dtype)
+        self.model = self._new_model(ds).to(device=dev, dtype=dtype)
         if init_bcast and (P.init == "broadcast" or algo_cls.same_init):
             with self.dog.collective("initial broadcast", 0):
                 comm.broadcast_(list(self.model.state_dict().values()), name="init")   # all ranks reach this
@@ -531,7 +569,7 @@ class Trainer:
             if cfg.data.augment:
                 xb = augment_batch(xb, self.aug_gen)
             out = algo.module(to_input(xb.to(dev, non_blocking=True), ds.mean, ds.std, dtype))
-            loss = F.cross_entropy(out, ds.train_y[b].to(dev, non_blocking=True))
+            loss = self.obj.loss(out, ds.train_y[b].to(dev, non_blocking=True))
             model.zero_grad(set_to_none=True)
             loss.backward()
             algo.inner_step(gk=plan.gk, rk=plan.rk, lr=plan.lr, xbar=self.ref_params)
@@ -669,23 +707,29 @@ class Trainer:
             algo.form_reference(self.model_t, self.ref_t)     # all ranks reach this (a no-op for syncing algorithms)
             recompute_bn(self.ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, self.dtype, self.dev)
             acc, vloss, drows, valid = evaluate(self.ref, ds, self.rank, self.world, cfg.eval.batch_size, self.dtype,
-                                                self.dev, [self.dist_prev])
+                                                self.dev, [self.dist_prev], self.obj)
         if algo.syncs:
             self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
         self.evals += 1
         self.eval_wall += time.monotonic() - t_eval
         self.last_val = (acc, vloss)
         passes = k * self.L / self.nb
-        sc = {"val/accuracy": acc, "val/loss": vloss, "val/error": 1 - acc,   # val/*: the test set
+        m = self.obj.metric                   # accuracy, loss, perplexity or the user's metric
+        sc = {f"val/{m}": acc, "val/loss": vloss,   # val/*: the test set
               "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
               "train/passes": passes, "train/wall_seconds": self.wall(), "train/eval_seconds": self.eval_wall}
+        if m == "accuracy":
+            sc["val/error"] = 1 - acc
         if valid is not None:
             self.last_valid = valid
-            sc.update({"valid/accuracy": valid[0], "valid/loss": valid[1], "valid/error": 1 - valid[0]})
+            sc.update({f"valid/{m}": valid[0], "valid/loss": valid[1]})
+            if m == "accuracy":
+                sc["valid/error"] = 1 - valid[0]
         self.log.scalars(k, sc)
+        short = "acc" if m == "accuracy" else m
         self.log.info(f"step {k}/{self.K} pass {passes:.2f}: "
-                      + (f"valid acc {valid[0]:.4f}, " if valid is not None else "")
-                      + f"test acc {acc:.4f} loss {vloss:.4f}, train loss {self.last_loss:.4f}, lr {plan.lr:.3g}"
+                      + (f"valid {short} {valid[0]:.4f}, " if valid is not None else "")
+                      + f"test {short} {acc:.4f} loss {vloss:.4f}, train loss {self.last_loss:.4f}, lr {plan.lr:.3g}"
                       + (f" gamma_inv {plan.gk:.3g}" if "gamma" in algo.couplings else "")
                       + (f" rho_inv {plan.rk:.3g}" if "rho" in algo.couplings else "")
                       + (f", {self.world} ranks" if self.member is not None else ""))
@@ -705,9 +749,12 @@ class Trainer:
         K, L = self.K, self.L
         # val_accuracy/val_loss: the test set (the historical names); valid_*: the held-out
         # validation split of the training set (data.val_frac; NaN without one)
-        summary = {"val_accuracy": self.last_val[0], "val_loss": self.last_val[1],
-                   "test_accuracy": self.last_val[0], "test_loss": self.last_val[1],
-                   "valid_accuracy": self.last_valid[0], "valid_loss": self.last_valid[1], "wall_seconds": wall,
+        m = self.obj.metric
+        # (with eval.metric other than accuracy: test_<metric>, valid_<metric>, no *_accuracy)
+        figures = {f"val_{m}": self.last_val[0]} if m == "accuracy" else {}
+        figures.update({"val_loss": self.last_val[1], f"test_{m}": self.last_val[0], "test_loss": self.last_val[1],
+                        f"valid_{m}": self.last_valid[0], "valid_loss": self.last_valid[1]})
+        summary = {"metric": m, **figures, "wall_seconds": wall,
                    "eval_seconds": self.eval_wall, "outer_steps": K, "inner_steps": K * L, "sync_period": L,
                    "passes": K * L / self.nb, "overlap": self.overlap, "balance": "time" if self.balance else "off",
                    "overlapped_syncs": self.overlapped_syncs,
@@ -728,7 +775,7 @@ class Trainer:
             except OSError as e:
                 raise CheckpointError(f"run.dir: cannot write final.pt/summary.json in {self.run_dir} "
                                       f"({e.strerror or e}); the last complete checkpoint is kept") from None
-            log.info(f"done: val accuracy {self.last_val[0]:.4f}, {wall:.1f} s, {cs.allreduce_calls} allreduces, "
+            log.info(f"done: test {m} {self.last_val[0]:.4f}, {wall:.1f} s, {cs.allreduce_calls} allreduces, "
                      f"{cs.bytes / 1e6:.2f} MB; {self.run_dir}/summary.json")
         log.close()
         return summary
