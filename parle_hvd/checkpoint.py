@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import shutil
 import time
@@ -149,7 +150,7 @@ def latest_complete_any(root: Path) -> Optional[tuple[int, int]]:
     for s in reversed(steps(root)):
         d = step_dir(root, s)
         try:
-            world = int(torch.load(d / "rank-0.pt", map_location="cpu", weights_only=False, mmap=True)["world"])
+            world = int(torch.load(d / "rank-0.pt", map_location="cpu", weights_only=True, mmap=True)["world"])
         except Exception:  # noqa: BLE001 - missing or unreadable: not complete
             continue
         if latest_complete(root, world) == s:
@@ -160,7 +161,12 @@ def latest_complete_any(root: Path) -> Optional[tuple[int, int]]:
 def load(root: Path, step: int, rank: int) -> dict:
     path = step_dir(root, step) / f"rank-{rank}.pt"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # a checkpoint written before they were weights-only (numpy's RNG state was
+            # pickled): our own file, read the old way once, so an upgraded run still resumes
+            return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one clear error
         raise CheckpointError(f"checkpoint {path} cannot be read ({e.__class__.__name__}: {e})") from None
 

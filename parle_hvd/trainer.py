@@ -118,6 +118,20 @@ class InnerTimer:
         return self.start.elapsed_time(end) / 1000.0
 
 
+def _np_rng_state() -> dict:
+    """numpy's global RNG state as tensors and numbers, so that a checkpoint loads with
+    ``torch.load(weights_only=True)`` (no pickled numpy objects)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "gauss": float(gauss)}
+
+
+def _np_set_rng_state(st) -> None:
+    if isinstance(st, dict):
+        st = (st["name"], st["key"].numpy().astype(np.uint32), st["pos"], st["has_gauss"], st["gauss"])
+    np.random.set_state(st)          # (a tuple: a checkpoint from before weights-only files)
+
+
 def pick_device(want: str, share: bool = False) -> torch.device:
     """One GPU per rank (its local rank), or the CPU; with ``share`` (dist.share_device)
     the local ranks take the GPUs round-robin."""
@@ -444,7 +458,7 @@ class Trainer:
                 "replica": self.replica_id, "world0": self.world0,
                 "model": self.model.state_dict(), "ref": self.ref.state_dict(), "algo_state": self.algo.state_dict(),
                 "sampler": self.sampler.state_dict(), "aug_gen": self.aug_gen.get_state(),
-                "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(), "rng_np": np.random.get_state(),
+                "rng_torch": torch.get_rng_state(), "rng_py": random.getstate(), "rng_np": _np_rng_state(),
                 "rng_cuda": torch.cuda.get_rng_state() if self.dev.type == "cuda" else None,
                 "comm": comm.stats().as_dict(), "plans": self._plans_state(), "speeds": list(self.speeds),
                 "overlapped_syncs": self.overlapped_syncs,
@@ -464,7 +478,7 @@ class Trainer:
         self.aug_gen.set_state(st["aug_gen"])
         torch.set_rng_state(st["rng_torch"])
         random.setstate(st["rng_py"])
-        np.random.set_state(st["rng_np"])
+        _np_set_rng_state(st["rng_np"])
         if self.dev.type == "cuda" and st.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(st["rng_cuda"])
         self.k, self.dist_prev = st["step"], st["dist_prev"]
@@ -742,6 +756,21 @@ class Trainer:
         self.log.close()
         return {"stopped_at": k, "run_dir": str(self.run_dir)}
 
+    def _inference_card(self) -> dict:
+        """What final.pt (the reference's state_dict, loadable with weights_only=True into
+        the model's own class) needs to be used alone: the model and how it was built, the
+        input's shape and normalisation, and the resolved config."""
+        cfg, ds = self.cfg, self.ds
+        return {"weights": "final.pt", "model": {"name": "" if cfg.model.target else cfg.model.name,
+                                                 "target": cfg.model.target, "kwargs": cfg.model.kwargs,
+                                                 "dtype": cfg.model.dtype},
+                "input": {"shape": list(ds.shape), "dtype": str(ds.train_x.dtype).replace("torch.", ""),
+                          # built-in images: input = (uint8 / 255 - mean) / std, per channel
+                          "mean": list(ds.mean) if ds.mean is not None else None,
+                          "std": list(ds.std) if ds.std is not None else None},
+                "num_classes": ds.num_classes, "metric": self.obj.metric, "algo": cfg.algo,
+                "config": to_dict(cfg)}
+
     def finish(self) -> dict:
         cfg, log = self.cfg, self.log
         wall = self.wall()
@@ -769,8 +798,9 @@ class Trainer:
                    "elastic_commit_seconds": self.member.commit_seconds if self.member else 0.0,
                    "config": to_dict(cfg)}
         if self.rank == 0:
-            try:   # both written whole or not at all
+            try:   # each written whole or not at all
                 checkpoint.atomic_save(self.ref.state_dict(), self.run_dir / "final.pt")
+                checkpoint.atomic_write_text(self.run_dir / "final.json", json.dumps(self._inference_card(), indent=2))
                 checkpoint.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
             except OSError as e:
                 raise CheckpointError(f"run.dir: cannot write final.pt/summary.json in {self.run_dir} "

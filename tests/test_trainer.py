@@ -123,6 +123,19 @@ def test_run_outputs_and_single_rank_counters(tmp_path):
         assert k in st
     # what resume needs, no more: x is the model's weights between outer steps, z restarts from it
     assert set(st["algo_state"]["parle"]) == {"v_in", "v_out", "hp"}
+    # every file loads weights only (no pickled numpy objects), and final.pt into the model's
+    # own class, with what inference needs beside it in final.json
+    for f in (tmp_path / "checkpoints").glob("step-*/rank-*.pt"):
+        assert torch.load(f, weights_only=True)["step"] in (2, 4)
+    card = json.loads((tmp_path / "final.json").read_text())
+    ds = load_dataset("fashion-mnist", str(FASHION))
+    assert card["input"] == {"shape": [1, 28, 28], "dtype": "uint8", "mean": list(ds.mean), "std": list(ds.std)}
+    assert card["model"]["name"] == "lenet" and card["num_classes"] == 10 and card["config"] == summ["config"]
+    net = build_model("lenet", num_classes=10, in_channels=1, image_size=28)
+    net.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
+    x = to_input(ds.test_x[:500], card["input"]["mean"], card["input"]["std"])
+    acc = float((net.eval()(x).argmax(1) == ds.test_y[:500]).float().mean())
+    assert acc == pytest.approx(summ["test_accuracy"], abs=0.05), (acc, summ["test_accuracy"])
 
 
 def test_every_algorithm_scopes_on_the_same_clock_of_passes():
