@@ -17,7 +17,8 @@ resumes where it stopped and a repeated command ends in seconds.
 over seeds of the final test error, of the test error at the step chosen on the
 validation split (``data.val_frac``; never chosen on the test set), of the wall time to a
 target test accuracy (``--target``, default the lowest mean final accuracy among the
-algorithms) and of the bytes sent; and for each baseline the paired difference to Parle
+algorithms; with ``eval.metric=loss`` or ``perplexity`` every figure is that one instead,
+lower is better, and the target the highest mean final value) and of the bytes sent; and for each baseline the paired difference to Parle
 over the same seeds with its 95 % interval and a verdict (better / worse / no
 difference). Plots show the mean curve over seeds with a 95 % band. Every run also goes
 to TensorBoard's HParams dashboard: ``tensorboard --logdir reports/<name>``.
@@ -107,6 +108,37 @@ def run_algo(algo: str, config: str, np_: int, overrides: list, run_dir: Path, l
     return json.loads((run_dir / "summary.json").read_text())
 
 
+class Score:
+    """What the runs are ranked by, lower is better: the test error (1 - accuracy, shown in
+    %) with eval.metric=accuracy, else the test loss or perplexity itself (eval.metric=loss
+    or perplexity, e.g. a language model of data.target). A user's own metric has no known
+    direction and is refused."""
+
+    def __init__(self, metric: str = "accuracy"):
+        self.metric = metric
+        self.acc = metric == "accuracy"
+        self.y, self.vy = ("val/error", "valid/error") if self.acc else (f"val/{metric}", f"valid/{metric}")
+        self.scale = 100 if self.acc else 1
+        self.name = "test error (%)" if self.acc else f"test {metric}"
+
+    def final(self, s: dict) -> float:
+        return 1 - s["val_accuracy"] if self.acc else s[f"test_{self.metric}"]
+
+    def reached(self, m: dict, target: float) -> bool:
+        return m["val/accuracy"] >= target if self.acc else m[self.y] <= target
+
+    def default_target(self, runs: dict) -> float:
+        """The worst mean final figure among the algorithms (each can reach it): the lowest
+        accuracy, or the highest loss or perplexity."""
+        if self.acc:
+            return min(mean_ci([s["val_accuracy"] for _, _, s in rs])[0] for rs in runs.values())
+        return max(mean_ci([self.final(s) for _, _, s in rs])[0] for rs in runs.values())
+
+    def target_text(self, target: float) -> str:
+        return (f"Target test accuracy for the time column: {100 * target:.2f} %" if self.acc
+                else f"Target test {self.metric} for the time column: {target:.4g}")
+
+
 def load_metrics(run_dir: Path) -> list:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
@@ -126,7 +158,7 @@ def _curve(runs_of_algo: list, x: str, y: str) -> tuple:
     return xs, mu, lo, hi
 
 
-def plots(out: Path, runs: dict) -> list:
+def plots(out: Path, runs: dict, sc: Score = Score()) -> list:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,13 +169,13 @@ def plots(out: Path, runs: dict) -> list:
                                    ("comm/bytes", "bytes communicated (MB)", "error_vs_bytes.png", 1e-6)):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for algo, rs in runs.items():
-            xs, mu, lo, hi = _curve(rs, x, "val/error")
+            xs, mu, lo, hi = _curve(rs, x, sc.y)
             if xs:
                 xs = [v * scale for v in xs]
-                ax.plot(xs, [100 * v for v in mu], marker="o", ms=3, label=f"{algo} (n={len(rs)})")
-                ax.fill_between(xs, [100 * v for v in lo], [100 * v for v in hi], alpha=0.2)
+                ax.plot(xs, [sc.scale * v for v in mu], marker="o", ms=3, label=f"{algo} (n={len(rs)})")
+                ax.fill_between(xs, [sc.scale * v for v in lo], [sc.scale * v for v in hi], alpha=0.2)
         ax.set_xlabel(label)
-        ax.set_ylabel("test error (%) of the reference, mean and 95 % band")
+        ax.set_ylabel(f"{sc.name} of the reference, mean and 95 % band")
         if x == "comm/bytes":
             ax.set_xscale("symlog", linthresh=1.0)
         ax.grid(alpha=0.3)
@@ -187,26 +219,22 @@ def plots(out: Path, runs: dict) -> list:
     return made
 
 
-def run_figures(ms: list, s: dict, target: float) -> dict:
-    """One run's figures: final test error, the test error at the evaluation with the lowest
-    validation error (None without a validation split), wall time to ``target`` test
-    accuracy (None if never reached), MB sent."""
-    evs = [m for m in ms if m.get("val/error") is not None]
+def run_figures(ms: list, s: dict, target: float, sc: Score = Score()) -> dict:
+    """One run's figures: final test error (or loss, perplexity: ``sc``), the same at the
+    evaluation with the lowest validation figure (None without a validation split), wall
+    time to ``target`` (None if never reached), MB sent."""
+    evs = [m for m in ms if m.get(sc.y) is not None]
     chosen = None
-    if evs and all(m.get("valid/error") is not None for m in evs):
-        chosen = min(evs, key=lambda m: (m["valid/error"], m["step"]))["val/error"]
-    reach = next((m["train/wall_seconds"] for m in evs if m["val/accuracy"] >= target), None)
-    return {"final": 1 - s["val_accuracy"], "chosen": chosen, "tta": reach, "mb": s["bytes_communicated"] / 1e6,
+    if evs and all(m.get(sc.vy) is not None for m in evs):
+        chosen = min(evs, key=lambda m: (m[sc.vy], m["step"]))[sc.y]
+    reach = next((m["train/wall_seconds"] for m in evs if sc.reached(m, target)), None)
+    return {"final": sc.final(s), "chosen": chosen, "tta": reach, "mb": s["bytes_communicated"] / 1e6,
             "wall": s["wall_seconds"], "passes": s["passes"], "calls": s["allreduce_calls"]}
 
 
-def default_target(runs: dict) -> float:
-    """The lowest mean final test accuracy among the algorithms (each can reach it)."""
-    return min(mean_ci([s["val_accuracy"] for _, _, s in rs])[0] for rs in runs.values())
-
-
-def report(out: Path, runs: dict, cmdline: str, np_: int, target: float) -> str:
-    figs = {a: {seed: run_figures(ms, s, target) for seed, ms, s in rs} for a, rs in runs.items()}
+def report(out: Path, runs: dict, cmdline: str, np_: int, target: float, sc: Score = Score()) -> str:
+    figs = {a: {seed: run_figures(ms, s, target, sc) for seed, ms, s in rs} for a, rs in runs.items()}
+    k = sc.scale
     col = lambda a, k: [f[k] for f in figs[a].values()]
     rows = []
     for algo, rs in runs.items():
@@ -215,19 +243,22 @@ def report(out: Path, runs: dict, cmdline: str, np_: int, target: float) -> str:
         tm, th, tn = mean_ci(col(algo, "tta"))
         bm, bh, _ = mean_ci(col(algo, "mb"))
         wm, wh, _ = mean_ci(col(algo, "wall"))
-        rows.append(f"| {algo} | {1 if algo in SINGLE else np_} | {n} | {_fmt(m, h, 100)} | {_fmt(cm, ch, 100)} | "
+        rows.append(f"| {algo} | {1 if algo in SINGLE else np_} | {n} | {_fmt(m, h, k)} | {_fmt(cm, ch, k)} | "
                     f"{_fmt(tm, th, 1, 1)} ({tn}/{n}) | {_fmt(wm, wh, 1, 1)} | {rs[0][2]['passes']:.2f} | "
                     f"{_fmt(bm, bh, 1, 2)} | {rs[0][2]['allreduce_calls']} |")
     text = [f"# Comparison: {out.name}", "", f"Command: `{cmdline}`", "",
-            f"Mean over seeds ± the half-width of the 95 % Student-t interval (none for one seed). Target test "
-            f"accuracy for the time column: {100 * target:.2f} %; (r/n): seeds that reached it.", "",
-            "| algo | ranks | seeds | final test error (%) | test error at the best validation step (%) | "
+            f"Mean over seeds ± the half-width of the 95 % Student-t interval (none for one seed). "
+            f"{sc.target_text(target)}; (r/n): seeds that reached it.", "",
+            f"| algo | ranks | seeds | final {sc.name} | {sc.name.replace(' (%)', '')} at the best validation step"
+            f"{' (%)' if sc.acc else ''} | "
             "wall time to target (s) | wall time (s) | passes | MB communicated | allreduce calls |",
             "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     if "parle" in runs and len(runs) > 1:
-        text += ["Paired over the same seeds, baseline minus Parle (positive: Parle's error is lower). "
+        what = "error" if sc.acc else sc.metric
+        text += [f"Paired over the same seeds, baseline minus Parle (positive: Parle's {what} is lower). "
                  "Verdict for Parle: better / worse when the 95 % interval excludes 0, else no difference.", "",
-                 "| baseline | final test error: difference (points) | verdict | at the best validation step | verdict |",
+                 f"| baseline | final {sc.name.replace(' (%)', '')}: difference{' (points)' if sc.acc else ''} | "
+                 f"verdict | at the best validation step | verdict |",
                  "|---|---|---|---|---|"]
         for algo in runs:
             if algo == "parle":
@@ -235,7 +266,7 @@ def report(out: Path, runs: dict, cmdline: str, np_: int, target: float) -> str:
             seeds_of = lambda a, k: {sd: f[k] for sd, f in figs[a].items() if f[k] is not None}
             m, h, n, v = paired(seeds_of(algo, "final"), seeds_of("parle", "final"))
             m2, h2, n2, v2 = paired(seeds_of(algo, "chosen"), seeds_of("parle", "chosen"))
-            text.append(f"| {algo} (n={n}) | {_fmt(m, h, 100)} | {v} | {_fmt(m2, h2, 100)} | "
+            text.append(f"| {algo} (n={n}) | {_fmt(m, h, k)} | {v} | {_fmt(m2, h2, k)} | "
                         f"{v2 if n2 else '- (no validation split)'} |")
         text.append("")
     text += ["Test error is the reference's (the replicas' mean, BN statistics recomputed; rank 0's model for "
@@ -252,9 +283,10 @@ def write_hparams(out: Path, tag: str, cfg: dict, algo: str, seed: int, fig: dic
     hp = {"algo": algo, "seed": seed, "sync_period": cfg["parle"]["sync_period"], "lr": cfg["optim"]["lr"],
           "scoping": str(cfg["parle"]["scoping"]), "epochs": cfg["train"]["epochs"],
           "train_limit": cfg["data"]["train_limit"], "augment": cfg["data"]["augment"]}
-    metrics = {"hparam/test_error": fig["final"], "hparam/wall_seconds": fig["wall"], "hparam/mb_sent": fig["mb"]}
+    what = "error" if cfg["eval"]["metric"] == "accuracy" else cfg["eval"]["metric"]
+    metrics = {f"hparam/test_{what}": fig["final"], "hparam/wall_seconds": fig["wall"], "hparam/mb_sent": fig["mb"]}
     if fig["chosen"] is not None:
-        metrics["hparam/test_error_at_best_valid"] = fig["chosen"]
+        metrics[f"hparam/test_{what}_at_best_valid"] = fig["chosen"]
     w = SummaryWriter(log_dir=str(out / "hparams" / tag))
     w.add_hparams(hp, metrics, run_name=".")
     w.close()
@@ -266,7 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--algos", default="parle,dpsgd,elastic,entropy,localsgd,diloco")
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=1, help="runs per algorithm, train.seed = s, s+1, ...")
-    ap.add_argument("--target", type=float, default=0.0, help="test accuracy for the time-to-target column "
+    ap.add_argument("--target", type=float, default=0.0, help="test accuracy (or loss, perplexity) for the time-to-target column "
                     "(default: the lowest mean final accuracy among the algorithms)")
     ap.add_argument("--name", default="")
     ap.add_argument("--reports", default="reports")
@@ -291,10 +323,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     base = c0.train.seed
-    if c0.eval.metric != "accuracy":     # the tables, time to target and selection read test/valid accuracy
-        print(f"error: eval.metric: parle_hvd.compare ranks runs by accuracy only so far, not {c0.eval.metric} "
-              f"(train.py reports it: test_{c0.eval.metric} in summary.json)", file=sys.stderr)
+    if c0.eval.metric not in ("accuracy", "loss", "perplexity"):   # a user's metric: which way is better?
+        print(f"error: eval.metric: parle_hvd.compare ranks runs by accuracy, loss or perplexity, not "
+              f"{c0.eval.metric} (train.py reports it: test_{c0.eval.metric} in summary.json)", file=sys.stderr)
         return 2
+    sc = Score(c0.eval.metric)
     name = a.name or Path(a.config).stem
     out = Path(a.reports) / name
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -313,19 +346,19 @@ def main(argv=None) -> int:
                     import shutil
                     shutil.rmtree(d)
                 s = run_algo(algo, a.config, a.np, [*a.overrides, f"train.seed={seed}"], d, print)
-                print(f"[compare] {algo} seed {seed}: final test error {100 * (1 - s['val_accuracy']):.2f} %, "
+                print(f"[compare] {algo} seed {seed}: final {sc.name} {sc.scale * sc.final(s):.4g}, "
                       f"{s['wall_seconds']:.1f} s, {s['bytes_communicated'] / 1e6:.1f} MB", flush=True)
             runs[algo].append((seed, load_metrics(d), s))
             where[algo][str(seed)] = d.name
-    target = a.target or default_target(runs)
+    target = a.target or sc.default_target(runs)
     for algo, rs in runs.items():
         for seed, ms, s in rs:
             key, cfg = run_key(a.config, a.overrides, algo, seed, a.np)
             if not (out / "hparams" / f"{algo}-s{seed}-{key}").exists():
-                write_hparams(out, f"{algo}-s{seed}-{key}", cfg, algo, seed, run_figures(ms, s, target))
+                write_hparams(out, f"{algo}-s{seed}-{key}", cfg, algo, seed, run_figures(ms, s, target, sc))
     cmdline = "python -m parle_hvd.compare " + " ".join(argv if argv is not None else sys.argv[1:])
-    plots(out, runs)
-    (out / "report.md").write_text(report(out, runs, cmdline, a.np, target))
+    plots(out, runs, sc)
+    (out / "report.md").write_text(report(out, runs, cmdline, a.np, target, sc))
     (out / "summary.json").write_text(json.dumps({k: {str(sd): s for sd, _, s in v} for k, v in runs.items()},
                                                  indent=2))
     (out / "runs.json").write_text(json.dumps(where, indent=2))

@@ -114,6 +114,16 @@ def test_own_model_loss_and_dataset_train_on_two_ranks_through_train_py_and_comp
     got = json.loads((tmp_path / "own" / "summary.json").read_text())
     assert all(got[a]["42"]["config"]["model"]["target"] == "usermods.nets:make_mlp" for a in ("parle", "localsgd"))
     assert all(got[a]["42"]["val_accuracy"] > 0.75 for a in ("parle", "localsgd")), got
-    r = subprocess.run(cmd + ["eval.metric=perplexity"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, **ENV})
-    assert r.returncode == 2 and "eval.metric: parle_hvd.compare ranks runs by accuracy only" in r.stderr
+    # ranked by the test loss instead (lower is better), e.g. a language model's; a metric of
+    # the user's own has no known direction and is refused
+    r = subprocess.run(cmd + ["eval.metric=loss", "--name", "own_loss"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=400, env={**os.environ, **MPI_ENV, **ENV})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = (tmp_path / "own_loss" / "report.md").read_text()
+    assert "| final test loss | test loss at the best validation step |" in rep and "Target test loss" in rep, rep
+    got = json.loads((tmp_path / "own_loss" / "summary.json").read_text())
+    row = next(l for l in rep.splitlines() if l.startswith("| parle | 2 | 1 |"))
+    assert f"| {got['parle']['42']['test_loss']:.2f} |" in row, (row, got["parle"]["42"]["test_loss"])
+    r = subprocess.run(cmd + ["eval.metric=usermods.losses:top2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, **ENV})
+    assert r.returncode == 2 and "eval.metric: parle_hvd.compare ranks runs by accuracy, loss or perplexity" in r.stderr
