@@ -295,6 +295,9 @@ def test_slurm_world_is_the_steps_layout(bare_env, tmp_path):
                     "if [[ \"$1 $2\" == 'show node' ]]; then echo \"NodeName=$3 Arch=x86_64 NodeAddr=10.0.0.${3#n} NodeHostName=$3\"; fi\n")
     fake.chmod(0o755)
     bare_env.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    # world_from_env exports the MASTER_ADDR it found: registered here so that the test's end removes it
+    bare_env.setenv("MASTER_ADDR", "unset")
+    bare_env.delenv("MASTER_ADDR")
     assert slurm.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert slurm.expand_tasks_per_node("4") == [4]
     with pytest.raises(slurm.SlurmError, match="tasks per node"):
@@ -306,7 +309,7 @@ def test_slurm_world_is_the_steps_layout(bare_env, tmp_path):
         bare_env.setenv(k, v)
     w = world_from_env()
     assert (w["rank"], w["size"], w["local_rank"], w["local_size"], w["addr"]) == (2, 3, 0, 1, "10.0.0.3")
-    bare_env.delenv("MASTER_ADDR")
+    __import__("os").environ.pop("MASTER_ADDR")
     bare_env.setenv("SLURM_NODEID", "0")
     bare_env.setenv("SLURM_PROCID", "1")
     bare_env.setenv("SLURM_LOCALID", "1")
