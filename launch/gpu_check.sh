@@ -11,6 +11,8 @@
 # under torchrun (dist.engine=torch, issue 15); (6) parle.overlap and parle.balance=time under
 # torchrun, the inner loops timed by CUDA events on their own stream (issue 21): the syncs
 # overlapped, the allreduce count unchanged, and n*L inner steps shared in every outer step.
+# (With one GPU the two ranks share it, so the sync goes over Gloo, not NCCL: step 6 is a
+# smoke of the path; the NCCL-stream effect InnerTimer avoids needs a GPU per rank.)
 # Writes gpu_check.log, throughput.txt and the 2-rank run under $OUT (a temporary folder if unset).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -144,13 +144,25 @@ def set_aside(root: Path, step: int) -> Path:
     return dst
 
 
+def _load(path: Path, **kw):
+    """torch.load of one of our checkpoint files, weights only. A file written before they
+    were weights-only (numpy's RNG state pickled) is refused by that unpickler for its
+    numpy global alone: our own file, read the old way, so that an upgraded run resumes."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
+    except pickle.UnpicklingError as e:
+        if "numpy" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=False, **kw)
+
+
 def latest_complete_any(root: Path) -> Optional[tuple[int, int]]:
     """(step, world) of the newest step that is complete for the world size that wrote it
     (read from its rank-0 file), or None. For resuming an elastic run with another size."""
     for s in reversed(steps(root)):
         d = step_dir(root, s)
         try:
-            world = int(torch.load(d / "rank-0.pt", map_location="cpu", weights_only=True, mmap=True)["world"])
+            world = int(_load(d / "rank-0.pt", mmap=True)["world"])
         except Exception:  # noqa: BLE001 - missing or unreadable: not complete
             continue
         if latest_complete(root, world) == s:
@@ -161,12 +173,7 @@ def latest_complete_any(root: Path) -> Optional[tuple[int, int]]:
 def load(root: Path, step: int, rank: int) -> dict:
     path = step_dir(root, step) / f"rank-{rank}.pt"
     try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # a checkpoint written before they were weights-only (numpy's RNG state was
-            # pickled): our own file, read the old way once, so an upgraded run still resumes
-            return torch.load(path, map_location="cpu", weights_only=False)
+        return _load(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one clear error
         raise CheckpointError(f"checkpoint {path} cannot be read ({e.__class__.__name__}: {e})") from None
 

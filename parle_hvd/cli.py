@@ -27,7 +27,9 @@ def _let_rank0_speak(seconds: float = 3.0) -> None:
 
 
 def _rank_from_env() -> int:
-    for k in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK",
+    # (PMI_RANK before SLURM_PROCID: under mpiexec inside an allocation the ranks inherit the
+    # proxies' SLURM_PROCID; under srun --mpi=pmi2 the two agree)
+    for k in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
               "PMIX_RANK"):
         if k in os.environ:
             try:

@@ -86,9 +86,26 @@ _MPI_ENV = ("HOROVOD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMI
 
 def _srun_without_pmi() -> bool:
     """srun started several tasks but gave them no MPI world (--mpi=none): Horovod's MPI
-    would make every task rank 0 of a world of 1; torch.distributed reads SLURM's variables."""
-    return ("SLURM_STEP_ID" in os.environ and (stated_world() or ("", 1))[1] > 1
-            and not any(k in os.environ for k in _MPI_ENV))
+    would make every task rank 0 of a world of 1; torch.distributed reads SLURM's variables.
+    (Not under torchrun, whose workers inherit the step's variables; not with Intel MPI's
+    I_MPI_PMI_LIBRARY, whose MPI reads SLURM's own PMI library.)"""
+    from .torchdist import torchrun_launched
+    return ("SLURM_STEP_ID" in os.environ and (stated_world() or ("", 1))[1] > 1 and not torchrun_launched()
+            and not any(k in os.environ for k in (*_MPI_ENV, "I_MPI_PMI_LIBRARY")))
+
+
+def _mpi_is_openmpi() -> bool:
+    """Whether the MPI that Horovod and mpi4py were built against (launch/setup.sh builds
+    both with the same mpicc) is OpenMPI, whose MPI_Init aborts in a step without PMI. An
+    MPI built with SLURM's PMI-1 library (MPICH, MVAPICH2 --with-pmi=slurm) sees the step
+    there, and the world check after init judges it. Unknown: assume OpenMPI."""
+    try:
+        import mpi4py
+        mpi4py.rc.initialize = False          # a question, not an MPI_Init
+        from mpi4py import MPI
+        return MPI.Get_library_version().lstrip().startswith("Open MPI")
+    except Exception:                         # noqa: BLE001 - no mpi4py, or it does not load
+        return True
 
 
 def stated_world() -> Optional[tuple]:
@@ -96,7 +113,13 @@ def stated_world() -> Optional[tuple]:
     states them in the environment, or None where none does (no launcher; horovodrun's
     elastic mode, whose world changes). PMIx exports a rank but no count (count None).
     The engine's world must be this one."""
-    e = os.environ
+    try:
+        return _stated_world(os.environ)
+    except (ValueError, KeyError) as err:      # a malformed launcher variable: one line, not a traceback
+        raise EngineError(f"cannot read the launcher's world from the environment ({err})") from None
+
+
+def _stated_world(e) -> Optional[tuple]:
     from .torchdist import torchrun_launched
     if "HOROVOD_RANK" in e:
         if "HOROVOD_ELASTIC" in e or "HOROVOD_SIZE" not in e:
@@ -169,7 +192,7 @@ def resolve_engine(engine: str = "auto") -> str:
     if engine == "torch" and "HOROVOD_RANK" in os.environ:
         raise EngineError("dist.engine=torch: this process was started by horovodrun, whose ranks only Horovod "
                           "joins; launch with torchrun (launch/torchrun.sh), mpirun or srun")
-    if engine == "horovod" and _srun_without_pmi():
+    if engine == "horovod" and _srun_without_pmi() and _mpi_is_openmpi():
         # (checked before init: OpenMPI's MPI_Init aborts under such a step, or forms a world of 1)
         raise EngineError(f"dist.engine=horovod: srun started {stated_world()[1]} tasks without PMI (--mpi=none), so "
                           f"MPI cannot see the step and each task would train alone; launch with srun --mpi=pmix, "

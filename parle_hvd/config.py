@@ -8,6 +8,7 @@ Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming t
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -341,6 +342,10 @@ def _coerce(key: str, tp, value: Any):
     if origin in (dict, Dict):
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{key}: expected a mapping of names to values (e.g. {key}={{n_layer: 2}}), got {value!r}")
+        try:        # it is written to config.json and into checkpoints: plain JSON values only
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: values must be numbers, strings, booleans, lists or mappings, got {value!r}") from None
         return dict(value)
     if origin in (list, List):
         (inner,) = typing.get_args(tp)

@@ -84,6 +84,9 @@ def measure_run(run_dir: Path, *, sizes, draws: int, batches: int, batch_size: i
     from .models import build_model
     s = json.loads((run_dir / "summary.json").read_text())
     cfg = _build(Config, s["config"], "")
+    if cfg.model.target or cfg.data.target or cfg.train.loss != "cross_entropy":
+        raise ValueError(f"{run_dir}: flatness measures the built-in models and datasets with cross-entropy; this run "
+                         f"has model.target/data.target/train.loss of its own")
     ds = load_dataset(cfg.data.name, cfg.data.dir, cfg.data.train_limit, cfg.data.test_limit, cfg=cfg.data,
                       seed=cfg.train.seed)
     if cfg.data.val_frac:
@@ -117,7 +120,11 @@ def main(argv=None) -> int:
         if not (d / "final.pt").is_file() or not (d / "summary.json").is_file():
             print(f"error: {d}: not a finished run (no final.pt and summary.json)", file=sys.stderr)
             return 2
-        print(json.dumps(measure_run(d, sizes=sizes, draws=a.draws, batches=a.batches)), flush=True)
+        try:
+            print(json.dumps(measure_run(d, sizes=sizes, draws=a.draws, batches=a.batches)), flush=True)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -18,7 +18,7 @@ import sys
 from typing import Mapping, Optional
 
 
-class SlurmError(RuntimeError):
+class SlurmError(ValueError):
     """SLURM's variables or scontrol do not say what is needed (one line for the user)."""
 
 

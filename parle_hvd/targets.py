@@ -171,14 +171,14 @@ class Objective:
         else:                              # the user's batch mean, weighted by the batch's examples
             count = float(len(y))
             loss_sum = float(self.loss(out, y)) * count
-        if self.metric == "accuracy":
+        if self.metric_fn is not None:     # the user's: a batch mean, weighted as the loss is
+            m = float(self.metric_fn(out, y)) * count
+        elif self.metric == "accuracy":
             m = float((out.argmax(-1) == y).sum())
             if not self.builtin_loss:      # counted per example then: accuracy per prediction, scaled
                 m = m * count / max(1, y.numel())
-        elif self.metric in ("loss", "perplexity"):
+        else:                              # loss, perplexity
             m = loss_sum
-        else:
-            m = float(self.metric_fn(out, y)) * count
         return [m, loss_sum, count]
 
     def finish(self, metric_sum: float, count: float) -> float:
@@ -191,14 +191,23 @@ def objective(loss: str = "cross_entropy", metric: str = "accuracy") -> Objectiv
     if metric in ("accuracy", "loss", "perplexity"):
         return Objective(lf, metric, None, loss == "cross_entropy")
     fn = load_target(metric, "eval.metric")
-    return Objective(lf, metric.rpartition(":")[2], fn, loss == "cross_entropy")
+    name = metric.rpartition(":")[2]
+    if name in ("accuracy", "loss", "perplexity", "error"):     # its figures would overwrite the built-in ones
+        raise TargetError(f"eval.metric: {metric}: a function of your own may not be named {name} (the built-in "
+                          f"metric's name); rename it")
+    return Objective(lf, name, fn, loss == "cross_entropy")
 
 
-def check_loss(obj: Objective, model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec: str) -> None:
+def check_loss(obj: Objective, model: nn.Module, x: torch.Tensor, y: torch.Tensor, spec: str,
+               model_key: str = "model.target") -> None:
     """One forward pass and the loss on a couple of training examples: it must be a scalar
     tensor that backpropagates (checked before any collective, on every rank alike)."""
     try:
         out = model(x)
+    except Exception as e:
+        raise TargetError(f"{model_key}: the model's forward pass on the data's inputs of shape {tuple(x.shape[1:])} "
+                          f"raised {type(e).__name__}: {e}") from None
+    try:
         val = obj.loss(out, y)
     except Exception as e:
         raise TargetError(f"train.loss: {spec} on the model's output raised {type(e).__name__}: {e}") from None

@@ -51,6 +51,16 @@ def _port(job_id: str) -> str:
     return str(20000 + zlib.crc32(job_id.encode()) % 20000)
 
 
+def _pmi_over_srun(e) -> bool:
+    """MPICH's or Intel MPI's mpiexec inside an allocation starts its proxies with srun: the
+    ranks inherit the proxies' step (a task per node) beside their own PMI_RANK/PMI_SIZE,
+    which are then the truth. (Under srun --mpi=pmi2 the two agree.)"""
+    try:
+        return "PMI_SIZE" in e and int(e["PMI_SIZE"]) != slurm.step_layout(e)["size"]
+    except (ValueError, slurm.SlurmError):
+        return "PMI_SIZE" in e
+
+
 def world_from_env() -> dict:
     """rank, size, local_rank, local_size, addr, port, source: from the launcher's variables."""
     e = os.environ
@@ -70,7 +80,7 @@ def world_from_env() -> dict:
                  local_size=int(e.get("MV2_COMM_WORLD_LOCAL_SIZE", 1)), source="MVAPICH",
                  job=e.get("MPIRUN_ID", e.get("MV2_MPIRUN_ID", "")))
         one_host = w["size"] == w["local_size"]
-    elif "SLURM_PROCID" in e and "SLURM_STEP_ID" in e:
+    elif "SLURM_PROCID" in e and "SLURM_STEP_ID" in e and not _pmi_over_srun(e):
         # the step's layout, not the job's: a step may run on part of the allocation
         try:
             st = slurm.step_layout(e)

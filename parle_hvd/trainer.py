@@ -109,11 +109,11 @@ class InnerTimer:
     def seconds(self, wait=None) -> float:
         """The loop's seconds; ``wait`` (a context manager, the watchdog's) guards the wait
         for the stream, so that a device held up by a dead peer is named, not left to hang."""
-        if self.start is None:
-            return time.monotonic() - self.t0
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
         with wait if wait is not None else contextlib.nullcontext():
+            if self.start is None:
+                return time.monotonic() - self.t0
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
             end.synchronize()                  # this stream's work only, never the collective's
         return self.start.elapsed_time(end) / 1000.0
 
@@ -193,9 +193,16 @@ class Trainer:
             if cfg.model.target or cfg.data.target or not obj.builtin_loss or obj.metric_fn is not None:
                 ds = self._load_data()
                 rng = torch.get_rng_state()
-                model = self._new_model(ds).to(dtype=getattr(torch, cfg.model.dtype))
+                key = "model.target" if cfg.model.target else "model.name"
+                try:
+                    model = self._new_model(ds).to(dtype=getattr(torch, cfg.model.dtype))
+                except TargetError:
+                    raise
+                except Exception as e:         # a built-in model given data.target's examples, say
+                    raise TargetError(f"model.name: {cfg.model.name} cannot take the data's inputs of shape "
+                                      f"{tuple(ds.shape)} ({type(e).__name__}: {e}); set model.target") from None
                 check_loss(obj, model, to_input(ds.train_x[:2], ds.mean, ds.std, getattr(torch, cfg.model.dtype)),
-                           ds.train_y[:2], cfg.train.loss)
+                           ds.train_y[:2], cfg.train.loss, key)
                 torch.set_rng_state(rng)       # the trial leaves the run's random streams as they were
         except TargetError as e:
             raise RunError(str(e)) from None
@@ -588,9 +595,9 @@ class Trainer:
             loss.backward()
             algo.inner_step(gk=plan.gk, rk=plan.rk, lr=plan.lr, xbar=self.ref_params)
             losses.append(loss.detach())
-        # every rank reaches this wait alike (one per outer step on a GPU), so heartbeats stay in step
-        wait = self.dog.collective("inner loop's device work", k) if dev.type == "cuda" else None
-        return losses, timer.seconds(wait)
+        # every rank enters this guard alike, once per outer step (a GPU waits in it for the
+        # loop's stream), so the heartbeats' counts stay in step whatever each rank's device
+        return losses, timer.seconds(self.dog.collective("inner loop", k))
 
     def _outer_update(self, k: int, plan: Plan) -> None:
         dump = os.environ.get("PARLE_HVD_DUMP_OUTER")     # testing hook (tests/test_overlap.py)

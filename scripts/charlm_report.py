@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parle_hvd.compare import _fmt, load_metrics, mean_ci, paired  # noqa: E402
 
 
-def main(src: str, dst: str) -> int:
+def main(src: str, dst: str, note: str = "") -> int:
     src = Path(src)
     summ = json.loads((src / "summary.json").read_text())
     where = json.loads((src / "runs.json").read_text())
@@ -82,10 +82,18 @@ def main(src: str, dst: str) -> int:
                 "a few minutes per run: it says nothing about the paper's large-network regime.", "",
               "Not measured here: the same sweep at 10 Mbit (tools/netlab.py's throttled hosts); the time "
               "column above is on loopback only."]
+    if note:
+        lines += ["", note]
     Path(dst).write_text("\n".join(lines) + "\n")
+    # the figures for docs/CLAIMS.md's row (scripts/write_claims.py reads them)
+    vm = {a: mean_ci([s["valid_loss"] for s in fig[a].values()]) for a in algos}
+    Path(dst).with_suffix(".json").write_text(json.dumps({
+        "command": cmd, "valid_loss": {a: {sd: s["valid_loss"] for sd, s in fig[a].items()} for a in algos},
+        "test_loss": {a: {sd: s["test_loss"] for sd, s in fig[a].items()} for a in algos},
+        "mean_ci": {a: list(v[:2]) + [v[2]] for a, v in vm.items()}, "verdicts": verdicts}, indent=2) + "\n")
     print("\n".join(lines))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:4]))

@@ -434,6 +434,24 @@ def copy_reports(rep_dir: Path, dest: Path) -> None:
             shutil.copy(rep_dir / "rq5" / part / f"{part}.json", dest / "rq5" / f"{part}.json")
 
 
+def charlm_row(path: Path):
+    """The language-model row (issue 22) from scripts/charlm_report.py's figures, or None.
+    Verdict: confirmed if Parle's validation loss is lower than every baseline's (paired
+    95 % intervals), not confirmed otherwise."""
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    mc, v = d["mean_ci"], d["verdicts"]
+    nums = "; ".join(f"{a} {m:.3f} ± {h:.3f} (n={n})" for a, (m, h, n) in mc.items())
+    vs = ", ".join(f"{v[a]} than {a}" if v[a] != "no difference" else f"no difference to {a}" for a in v)
+    verdict = "confirmed" if all(x == "better" for x in v.values()) else "not confirmed"
+    return ("RQ2 on a language model", "\"achieving significantly improved error rates\" (abstract), tried in the "
+            "regime where DiLoCo is the field's reference (our extension)",
+            "examples/charlm: a character-level transformer on the Python Language Reference, validation loss "
+            "(nats/char) at equal passes vs dpsgd, localsgd, diloco ([results/charlm.md](results/charlm.md))",
+            f"{nums}; parle {vs}", "none (the paper has no language model)", verdict)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/write_claims.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reports", default="reports")
@@ -484,6 +502,9 @@ def main(argv=None) -> int:
             "verdict here is about this setting.", "",
             "| claim | the paper's words | our experiment | our numbers | the paper's number | verdict |",
             "|---|---|---|---|---|---|"]
+    lm = charlm_row(ROOT / "docs/results/charlm.json")
+    if lm:
+        rows.append(lm)
     text += [f"| {a} | {b} | {c} | {d} | {e} | **{f}** |" for a, b, c, d, e, f in rows]
     notes = Path(a.data) / "notes.md"         # hand-written reading of the figures, kept apart from them
     if notes.is_file():

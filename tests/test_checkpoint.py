@@ -39,3 +39,36 @@ def test_prune_by_rank_zero_never_removes_a_step_a_slower_rank_still_needs(tmp_p
     checkpoint.prune(tmp_path, 0, keep=2)
     assert checkpoint.latest_complete(tmp_path, 2) == 6
     assert torch.load(checkpoint.step_dir(tmp_path, 6) / "rank-1.pt")["rank"] == 1
+
+
+def test_a_checkpoint_from_before_weights_only_files_still_loads_and_restores_numpy(tmp_path):
+    """Files written before the numpy RNG state was stored as a tensor pickled numpy's state
+    tuple: torch.load(weights_only=True) refuses them, so load and latest_complete_any read
+    them the old way, and the trainer restores the tuple as it was. A file that is merely
+    torn is still refused."""
+    import numpy as np
+    import pickle
+    import pytest
+    from parle_hvd.trainer import _np_rng_state, _np_set_rng_state
+    np.random.seed(7)
+    old = np.random.get_state()
+    checkpoint.atomic_save({"step": 4, "world": 1, "rng_np": old}, checkpoint.step_dir(tmp_path, 4) / "rank-0.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(checkpoint.step_dir(tmp_path, 4) / "rank-0.pt", weights_only=True)
+    st = checkpoint.load(tmp_path, 4, 0)
+    assert checkpoint.latest_complete_any(tmp_path) == (4, 1)
+    want = np.random.rand(3)
+    np.random.seed(0)
+    _np_set_rng_state(st["rng_np"])                 # the old tuple
+    assert np.array_equal(np.random.rand(3), want)
+    np.random.seed(7)
+    new = _np_rng_state()                           # the new form: tensors and numbers only
+    checkpoint.atomic_save({"step": 5, "world": 1, "rng_np": new}, checkpoint.step_dir(tmp_path, 5) / "rank-0.pt")
+    got = torch.load(checkpoint.step_dir(tmp_path, 5) / "rank-0.pt", weights_only=True)["rng_np"]
+    np.random.seed(0)
+    _np_set_rng_state(got)
+    assert np.array_equal(np.random.rand(3), want)
+    f = checkpoint.step_dir(tmp_path, 5) / "rank-0.pt"
+    f.write_bytes(f.read_bytes()[:40])
+    with pytest.raises(checkpoint.CheckpointError, match="cannot be read"):
+        checkpoint.load(tmp_path, 5, 0)

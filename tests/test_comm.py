@@ -346,3 +346,5 @@ def test_slurm_sbatch_torchrun_starts_each_nodes_own_task_count(tmp_path):
         assert line.startswith(f"torchrun --nproc-per-node {n} --nnodes 2 --rdzv-backend c10d "
                                f"--rdzv-endpoint 10.9.0.1:29400 --rdzv-id 42 --no-python "), line
         assert "train.py --config configs/fashion_parle.yaml" in line and line.endswith("train.epochs=1"), line
+    rc, out = run_command(["bash", "launch/slurm.sbatch"], env={**env, "SLURM_TASKS_PER_NODE": "3"}, timeout=60)
+    assert rc == 2 and "SLURM_TASKS_PER_NODE=3 names 3 for 2 node(s)" in out, out

@@ -64,6 +64,9 @@ def _cli(*args, env=None):
                                                "got (2,)"),
     ("eval.metric=usermods.losses:nope", "eval.metric: usermods.losses has no attribute 'nope'"),
     ("data.val_frac=0.1", "data.val_frac: not with data.target"),
+    ("model.target=", "model.name: lenet cannot take the data's inputs of shape (8,)"),
+    ("model.kwargs={d: 2024-01-01}", "model.kwargs: values must be numbers, strings, booleans, lists or mappings"),
+    ("eval.metric=usermods.losses:accuracy", "a function of your own may not be named accuracy"),
 ])
 def test_bad_targets_are_one_line_exit_2_and_nothing_written(tmp_path, override, needle):
     base = [o for o in OWN if o.split("=")[0] != override.split("=")[0]]

@@ -299,6 +299,6 @@ def test_inner_loop_timer_on_a_gpu_waits_for_its_own_stream_not_the_device(monke
 
     timer = trainer.InnerTimer(torch.device("cuda", 0))
     assert timer.seconds(guard()) == pytest.approx(0.75)
-    assert calls == ["record", "record", "watchdog on", "wait for the stream", "watchdog off"]
+    assert calls == ["record", "watchdog on", "record", "wait for the stream", "watchdog off"]
     cpu = trainer.InnerTimer(torch.device("cpu"))          # on the CPU: host time, no events
     assert 0 <= cpu.seconds() < 5 and calls[-1] == "watchdog off"

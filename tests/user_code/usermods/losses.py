@@ -12,3 +12,7 @@ def per_example(out, y):          # a mistake: not reduced to a scalar
 
 def top2(out, y):                 # a metric: the fraction of examples whose class is in the top 2
     return (out.topk(2, dim=-1).indices == y[:, None]).any(-1).float().mean()
+
+
+def accuracy(out, y):             # a mistake: the built-in metric's name
+    return (out.argmax(-1) == y).float().mean()
