@@ -16,6 +16,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parle_hvd.compare import _fmt, load_metrics, mean_ci, paired  # noqa: E402
 
 
+def link_table(path: Path) -> list:
+    """scripts/charlm_link.py's side-by-side runs (seed 42) on loopback and at 10 Mbit."""
+    if not path.is_file():
+        return ["Not measured: scripts/charlm_link.py's runs (loopback and 10 Mbit) are missing."]
+    res = json.loads(path.read_text())
+    out = ["## Time to dpsgd's final validation loss, loopback and 10 Mbit", "",
+           "`python scripts/charlm_link.py` (seed 42, one run per algorithm and link, side by side in one run; "
+           "dpsgd with fp16 compression, 128 MB fusion and a 5 ms cycle as a Horovod expert would run it; the "
+           "others as in the sweep). Target: that link's dpsgd run's final validation loss; time: training "
+           "seconds (evaluation left out) at the first evaluation at or below it. One seed: a single "
+           "measurement, no interval.", "",
+           "| link | target valid loss | algo | final valid loss | training seconds | seconds to target | "
+           "ratio to dpsgd | MB sent |", "|---|---|---|---|---|---|---|---|"]
+    for link, r in res.items():
+        for algo, x in r["runs"].items():
+            t = "-" if x["to_target_seconds"] is None else f"{x['to_target_seconds']:.1f}"
+            q = "-" if x["ratio_to_dpsgd"] is None else f"**{x['ratio_to_dpsgd']:.2f}**"
+            out.append(f"| {link} | {r['target_valid_loss']:.4f} | {algo} | {x['final_valid_loss']:.4f} | "
+                       f"{x['train_seconds']:.1f} | {t} | {q} | {x['mb']:.1f} |")
+    return out
+
+
 def main(src: str, dst: str, note: str = "") -> int:
     src = Path(src)
     summ = json.loads((src / "summary.json").read_text())
@@ -80,8 +102,8 @@ def main(src: str, dst: str, note: str = "") -> int:
                                       f"no different from {', '.join(same)}" if same else "") if x)
               + " (3 seeds, 95 % paired intervals). This is one small model on one small corpus on a CPU, "
                 "a few minutes per run: it says nothing about the paper's large-network regime.", "",
-              "Not measured here: the same sweep at 10 Mbit (tools/netlab.py's throttled hosts); the time "
-              "column above is on loopback only."]
+              "The wall-time column of the table above is the loopback sweep's; the links are compared "
+              "below.", "", *link_table(src.parent / "charlm_link" / "links.json")]
     if note:
         lines += ["", note]
     Path(dst).write_text("\n".join(lines) + "\n")
