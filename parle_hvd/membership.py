@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from . import comm
-from .exchange import Exchange, replica_distance
+from . import checkpoint, comm
+from .exchange import replica_distance
 
 
 def host_copy(obj):
@@ -45,6 +45,25 @@ def host_copy(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_copy(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def run_torchrun_elastic(t) -> dict:
+    """torchrun's elastic agent restarts every worker after a failure or a change of nodes;
+    a restart resumes from the newest complete checkpoint in the run directory (which, with
+    run.dir unset, is named after the rendezvous id, the same in every restart), whatever
+    number of ranks wrote it."""
+    from .rundir import RunError
+    cfg = t.cfg
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        raise RunError("dist.elastic with dist.engine=torch: start the job with torchrun "
+                       "(launch/torchrun.sh: --nnodes=MIN:MAX --max-restarts=N)")
+    if not cfg.run.dir:
+        cfg.run.dir = str(Path("runs") / f"{cfg.run.name}-torchrun-{run_id}")
+    if comm.restart_count() and checkpoint.latest_complete_any(Path(cfg.run.dir)) is not None:
+        cfg.run.resume = True          # rank 0's view decides (start_run sends its config)
+    t.member = Membership(t, restarts=True)
+    return t.member.run()
 
 
 class Membership:
@@ -114,14 +133,12 @@ class Membership:
             comm.set_threads_per_rank()
         if not t.built:
             return
-        t.ex = Exchange(t.world, t.rank, t.dtype)
-        t.algo.world, t.algo.rank = t.world, t.rank
-        t.resize_plans()
+        t.opt.resize(t.world, t.rank)
         t.open_log(t.k)
         why = "a rank failed; back to the last commit" if self.restored else "hosts changed"
         t.log.info(f"elastic: {why}: {old} -> {t.world} rank(s) after outer step {t.k}")
         self.events.append({"step": t.k, "from": old, "to": t.world, "why": why})
-        if self.removal_only and not self.restored and t.world < t.ref_n and t.algo.ref_is_mean:
+        if self.removal_only and not self.restored and t.world < t.opt.ref_n and t.opt.algo.ref_is_mean:
             # no state sync follows a removal alone: every rank here holds a replica
             self.reform_reference([True] * t.world)     # all ranks reach this
         self.restored = self.removal_only = False
@@ -134,22 +151,22 @@ class Membership:
         t = self.t
         mine, n = members[t.rank], sum(members)
         dump = os.environ.get("PARLE_HVD_DUMP_REFORM")        # testing hook (tests/test_elastic.py)
-        before = [x.clone() for x in t.ref_t] if dump else None
+        before = [x.clone() for x in t.opt.ref_t] if dump else None
         with torch.no_grad():
-            for r_, m in zip(t.ref_t, t.model_t):
+            for r_, m in zip(t.opt.ref_t, t.opt.model_t):
                 r_.copy_(m) if mine else r_.zero_()
         with t.dog.collective("elastic reference re-formed", t.k):
-            comm.allreduce_sum_(t.ref_t, name="elastic.reform")     # all ranks reach this
+            comm.allreduce_sum_(t.opt.ref_t, name="elastic.reform")     # all ranks reach this
         with torch.no_grad():
-            for r_ in t.ref_t:
+            for r_ in t.opt.ref_t:
                 r_.div_(n)
-        t.ref_n = n
+        t.opt.ref_n = n
         if mine:
-            t.dist_prev = replica_distance(t.algo.anchor(), t.ref_params)
+            t.opt.dist_prev = replica_distance(t.opt.algo.anchor(), t.opt.ref_params)
         if t.log is not None:
             t.log.info(f"elastic: the reference re-formed from the {n} remaining replica(s) at outer step {t.k}")
         if dump:
-            torch.save({"ref": [x.clone() for x in t.ref_t], "model": [x.clone() for x in t.model_t],
+            torch.save({"ref": [x.clone() for x in t.opt.ref_t], "model": [x.clone() for x in t.opt.model_t],
                         "before": before, "member": mine, "step": t.k, "replica": t.replica_id},
                        Path(dump) / f"reform-rank{t.rank}-step{t.k}.pt")
 
@@ -189,24 +206,24 @@ class Membership:
             t.cfg, t.run_dir = msg["cfg"], Path(msg["run_dir"])
             t.dog.attach(t.run_dir)
             t.build(free[new.index(rank)], msg["world0"], init_bcast=False)
-        shared = t.algo.shared_tensors()
+        shared = t.opt.algo.shared_tensors()
         with t.dog.collective("elastic reference", k_new):
-            comm.broadcast_(t.ref_t + shared, root=root, name="elastic.ref")   # all ranks reach this
-        if t.algo.ref_is_mean and len(keep) < msg["ref_n"]:
+            comm.broadcast_(t.opt.ref_t + shared, root=root, name="elastic.ref")   # all ranks reach this
+        if t.opt.algo.ref_is_mean and len(keep) < msg["ref_n"]:
             # replicas were lost: the reference is re-formed from the ones kept (before any
             # new replica starts at it). Every rank sees the same rows and msg: all reach this.
             self.reform_reference([r in keep for r in range(world)])
         if not mine:
             with torch.no_grad():
-                for m, r in zip(t.model_t, t.ref_t):
+                for m, r in zip(t.opt.model_t, t.opt.ref_t):
                     m.copy_(r)                      # the new replica starts at the current reference
             t.load_run_state(msg)
             t.t_start = time.monotonic()
-            t.dist_prev = replica_distance(t.algo.anchor(), t.ref_params)
+            t.opt.dist_prev = replica_distance(t.opt.algo.anchor(), t.opt.ref_params)
             comm.load_stats(msg["comm"])
             self.events = list(msg["events"])
             print(f"[rank {rank}] elastic: joined at outer step {t.k} as replica {t.replica_id}, "
-                  f"starting at the reference (||x - xbar|| = {t.dist_prev:.3g})", file=sys.stderr, flush=True)
+                  f"starting at the reference (||x - xbar|| = {t.opt.dist_prev:.3g})", file=sys.stderr, flush=True)
             t.open_log(t.k)
         if new:
             self.events.append({"step": t.k, "world": world, "kept_ranks": keep, "joined_ranks": new,

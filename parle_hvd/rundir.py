@@ -173,3 +173,22 @@ def agree_on_checkpoint(run_dir: Path, steps: list, rank: int, ckpt_world: int) 
                 tried.pop(u)                     # newer than any possible agreement: free its state
         load(t)                                  # the step every rank could still agree on: try it here
         i = t
+
+
+def resume_point(run_dir: Path, steps: list, rank: int, ckpt_world: int) -> tuple[Optional[int], dict, list]:
+    """``agree_on_checkpoint``, with its one-line reports: returns ``(step, this rank's
+    state, newer steps skipped)``, ``(None, {}, [])`` without a checkpoint to resume, or
+    raises when none loads on every rank. All ranks reach this."""
+    if not steps:
+        return None, {}, []
+    step, st, skipped = agree_on_checkpoint(run_dir, steps, rank, ckpt_world)
+    for s, why in skipped.items():
+        print(f"[rank {rank}] run.resume: skipping checkpoint step {s}, which does not load here ({why})"
+              + (f"; resuming from step {step}" if step is not None else ""), file=sys.stderr, flush=True)
+    if step is None:
+        if skipped:
+            raise CheckpointError(f"run.resume: no checkpoint in {run_dir}/checkpoints loads on every "
+                                  f"rank (this rank: {skipped[min(skipped)]})")
+        raise RunError(f"run.resume: no checkpoint in {run_dir}/checkpoints loads on every rank "
+                       f"(the failing ranks' messages above)")
+    return step, st, [s for s in steps if s > step]

@@ -1,0 +1,128 @@
+"""What a run is assembled from, before its first collective: the device, the dataset, the
+model, the loss and metric (built in, or the user's by import path: targets.py), and the
+card that makes ``final.pt`` usable alone. Nothing here communicates; every rank calls
+the same functions alike, so a bad target ends every rank with the same one line."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import comm
+from .config import Config, to_dict
+from .data import hold_out, load_dataset, to_input
+from .models import build_model
+from .rundir import RunError
+from .targets import Objective, TargetError, build_user_model, check_loss, load_user_dataset, objective
+
+
+def pick_device(want: str, share: bool = False) -> torch.device:
+    """One GPU per rank (its local rank), or the CPU; with ``share`` (dist.share_device)
+    the local ranks take the GPUs round-robin."""
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RunError("dist.device: cuda requested but torch.cuda.is_available() is False")
+    n = torch.cuda.device_count()
+    if comm.local_size() > n and not share:
+        raise RunError(f"dist.device: {comm.local_size()} ranks on this host but {n} GPU(s); "
+                       f"start one rank per GPU (or set dist.share_device=true to share them, with Gloo)")
+    i = comm.local_rank() % n
+    torch.cuda.set_device(i)
+    return torch.device("cuda", i)
+
+
+def load_data(cfg: Config):
+    """The dataset (built in, or data.target's), with its limits and validation split."""
+    d = cfg.data
+    if d.target:
+        ds = load_user_dataset(d.target, d.kwargs)
+        if d.train_limit:
+            ds.train_x, ds.train_y = ds.train_x[:d.train_limit], ds.train_y[:d.train_limit]
+        if d.test_limit:
+            ds.test_x, ds.test_y = ds.test_x[:d.test_limit], ds.test_y[:d.test_limit]
+    else:
+        ds = load_dataset(d.name, d.dir, d.train_limit, d.test_limit, cfg=d, seed=cfg.train.seed)
+    if d.val_frac:                  # the same split on every rank: it depends on the seed only
+        ds = hold_out(ds, d.val_frac, seed=cfg.train.seed)
+    return ds
+
+
+def new_model(cfg: Config, ds) -> nn.Module:
+    """model.target's module, or the built-in model.name sized to the dataset."""
+    m = cfg.model
+    if m.target:
+        return build_user_model(m.target, m.kwargs)
+    return build_model(m.name, num_classes=ds.num_classes, in_channels=ds.shape[0], image_size=ds.shape[1],
+                       dropout=m.dropout, depth=m.depth, width=m.width)
+
+
+def resolve_objective(cfg: Config) -> tuple[Objective, object]:
+    """The loss and metric, and any model, dataset, loss or metric named by import path,
+    imported and tried once (a forward and the loss on two examples); returns the objective
+    and the dataset when it had to be loaded for the trial (else None). Raises RunError."""
+    try:
+        obj = objective(cfg.train.loss, cfg.eval.metric)
+        if not (cfg.model.target or cfg.data.target or not obj.builtin_loss or obj.metric_fn is not None):
+            return obj, None
+        ds = load_data(cfg)
+        rng = torch.get_rng_state()
+        dtype = getattr(torch, cfg.model.dtype)
+        try:
+            model = new_model(cfg, ds).to(dtype=dtype)
+        except TargetError:
+            raise
+        except Exception as e:         # a built-in model given data.target's examples, say
+            raise TargetError(f"model.name: {cfg.model.name} cannot take the data's inputs of shape "
+                              f"{tuple(ds.shape)} ({type(e).__name__}: {e}); set model.target") from None
+        check_loss(obj, model, to_input(ds.train_x[:2], ds.mean, ds.std, dtype), ds.train_y[:2], cfg.train.loss,
+                   "model.target" if cfg.model.target else "model.name")
+        torch.set_rng_state(rng)       # the trial leaves the run's random streams as they were
+        return obj, ds
+    except TargetError as e:
+        raise RunError(str(e)) from None
+
+
+def inference_card(cfg: Config, ds, metric: str) -> dict:
+    """What final.pt (the reference's state_dict, loadable with weights_only=True into the
+    model's own class) needs to be used alone: the model and how it was built, the input's
+    shape and normalisation, and the resolved config."""
+    return {"weights": "final.pt", "model": {"name": "" if cfg.model.target else cfg.model.name,
+                                             "target": cfg.model.target, "kwargs": cfg.model.kwargs,
+                                             "dtype": cfg.model.dtype},
+            "input": {"shape": list(ds.shape), "dtype": str(ds.train_x.dtype).replace("torch.", ""),
+                      # built-in images: input = (uint8 / 255 - mean) / std, per channel
+                      "mean": list(ds.mean) if ds.mean is not None else None,
+                      "std": list(ds.std) if ds.std is not None else None},
+            "num_classes": ds.num_classes, "metric": metric, "algo": cfg.algo, "config": to_dict(cfg)}
+
+
+def seed_replica(seed: int) -> None:
+    """Every global random stream a replica's initialisation draws from."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def rng_state(dev: torch.device) -> dict:
+    """The global random streams, as tensors and numbers only, so that a checkpoint loads
+    with ``torch.load(weights_only=True)`` (numpy's state is not pickled)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"rng_torch": torch.get_rng_state(), "rng_py": random.getstate(),
+            "rng_np": {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "rng_cuda": torch.cuda.get_rng_state() if dev.type == "cuda" else None}
+
+
+def set_rng_state(st: dict, dev: torch.device) -> None:
+    torch.set_rng_state(st["rng_torch"])
+    random.setstate(st["rng_py"])
+    np_st = st["rng_np"]
+    if isinstance(np_st, dict):
+        np_st = (np_st["name"], np_st["key"].numpy().astype(np.uint32), np_st["pos"], np_st["has_gauss"],
+                 np_st["gauss"])
+    np.random.set_state(np_st)       # (a tuple: a checkpoint from before weights-only files)
+    if dev.type == "cuda" and st.get("rng_cuda") is not None:
+        torch.cuda.set_rng_state(st["rng_cuda"])
