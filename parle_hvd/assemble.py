@@ -4,6 +4,7 @@ card that makes ``final.pt`` usable alone. Nothing here communicates; every rank
 the same functions alike, so a bad target ends every rank with the same one line."""
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -16,6 +17,16 @@ from .data import hold_out, load_dataset, to_input
 from .models import build_model
 from .rundir import RunError
 from .targets import Objective, TargetError, build_user_model, check_loss, load_user_dataset, objective
+
+
+def configure_torch(cfg: Config) -> None:
+    """Threads per rank (dist.threads) and deterministic kernels (run.deterministic)."""
+    if cfg.dist.threads:
+        torch.set_num_threads(cfg.dist.threads)
+    if cfg.run.deterministic:         # a GPU's kernels may pick algorithms by timing, or add atomically
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
 
 
 def pick_device(want: str, share: bool = False) -> torch.device:

@@ -430,6 +430,16 @@ class ReplicaSampler:
         self.pos += 1
         return b
 
+    def __len__(self) -> int:
+        return self.nb
+
+    def __iter__(self):
+        """One pass's batches as index lists, from where the stream stands: a torch
+        ``DataLoader(dataset, batch_sampler=sampler)`` then gives this replica's batches
+        (examples/own_loop.py), in the order the trainer takes them."""
+        for _ in range(self.nb - self.pos if self.pos < self.nb else self.nb):
+            yield self.next().tolist()
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 

@@ -154,8 +154,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: Config, *, schedule: Callable[[int], tuple],
                  flags: Optional[Callable[[int], dict]] = None, watchdog=None, init_broadcast: bool = True):
-        if not comm.is_initialized():
-            raise RuntimeError("parle_hvd.optim: call parle_hvd.init() first (every rank)")
+        if not comm.is_initialized() and comm.launched():     # n processes would each train alone
+            raise RuntimeError("parle_hvd.optim: a launcher started this process; call parle_hvd.init() "
+                               "first, on every rank")
         params = list(model.parameters())
         if not params:
             raise ValueError("parle_hvd.optim: the model has no parameters")
@@ -272,9 +273,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
               "algo_state": self.algo.state_dict(), "plans": self.plans_state(), "speeds": list(self.speeds),
               "overlapped_syncs": self.overlapped_syncs, "dist_prev": self.dist_prev, "ref_n": self.ref_n,
               "sched": list(self.plans[self.k + 1][:3]) if self.k + 1 in self.plans else []}
-        if self.j and hasattr(self.algo, "opt") and hasattr(self.algo.opt, "z"):
-            sd["mid"] = {"x": self.algo.opt.x, "z": self.algo.opt.z, "losses": list(self._losses)}
+        if self.j:                      # inside an outer step: its losses so far, and Parle's x[a] and z
+            sd["mid"] = {"losses": list(self._losses)}
+            if self._parle_mid():
+                sd["mid"].update(x=self.algo.opt.x, z=self.algo.opt.z)
         return sd
+
+    def _parle_mid(self) -> bool:
+        return hasattr(self.algo, "opt") and hasattr(self.algo.opt, "z") and hasattr(self.algo, "in_outer")
 
     def load_state_dict(self, sd: dict) -> None:
         """Back to ``sd`` (after the model's own ``load_state_dict``: Parle's x[a] and z start
@@ -291,10 +297,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.inflight = None
         if self.j:                      # resumed inside an outer step
             self._plan = self.plans[self.k + 1]
-            self.algo.in_outer = True
-            with torch.no_grad():
-                for d, s in zip(self.algo.opt.x + self.algo.opt.z, sd["mid"]["x"] + sd["mid"]["z"]):
-                    d.copy_(s)
+            if self._parle_mid():
+                self.algo.in_outer = True
+                with torch.no_grad():
+                    for d, s in zip(self.algo.opt.x + self.algo.opt.z, sd["mid"]["x"] + sd["mid"]["z"]):
+                        d.copy_(s)
             self._losses = [t.clone() for t in sd["mid"]["losses"]]
             self._timer, self._t_step = InnerTimer(self.dev), time.monotonic()
 

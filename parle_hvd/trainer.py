@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from . import checkpoint, comm
+from . import checkpoint, comm, report
 from .algorithms import ALGORITHMS
-from .assemble import inference_card, load_data, new_model, pick_device, resolve_objective, rng_state, seed_replica, \
+from .assemble import configure_torch, inference_card, load_data, new_model, pick_device, resolve_objective, rng_state, seed_replica, \
     set_rng_state
 from .checkpoint import CheckpointError
 from .config import Config, to_dict
@@ -44,7 +41,7 @@ from .exchange import SLOT, outer_schedule
 from .logger import RunLogger
 from .membership import Membership, run_torchrun_elastic
 from .optim import DistributedOptimizer, SyncReport, _injected
-from .rundir import RunError, discard_if_empty, git_sha, resume_point, start_run, versions
+from .rundir import RunError, discard_if_empty, resume_point, start_run
 from .watchdog import StopSignal, Watchdog
 
 __all__ = ["Trainer", "train", "RunError", "DivergenceError"]
@@ -68,12 +65,7 @@ class Trainer:
                       engine=cfg.dist.engine, gpu_backend="gloo" if cfg.dist.share_device else "nccl")
         except comm.EngineError as e:
             raise RunError(str(e)) from None
-        if cfg.dist.threads:
-            torch.set_num_threads(cfg.dist.threads)
-        if cfg.run.deterministic:         # a GPU's kernels may pick algorithms by timing, or add atomically
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.benchmark = False
+        configure_torch(cfg)
         self.cfg, self.rank, self.world = cfg, comm.rank(), comm.size()
         self.stop = StopSignal(self.rank)
         self.stop.install()
@@ -113,7 +105,7 @@ class Trainer:
         ``replica_id`` names the replica (its seed, its data order and window): the rank,
         except for a replica that joins an elastic run. ``world0`` is the world size the
         data windows were cut for."""
-        cfg, world = self.cfg, self.world
+        cfg = self.cfg
         self.dtype = getattr(torch, cfg.model.dtype)
         self.dev = dev = pick_device(cfg.dist.device, cfg.dist.share_device)
         self.replica_id, self.world0 = replica_id, world0
@@ -198,12 +190,7 @@ class Trainer:
             self.load_state(st)
             comm.load_stats(st["comm"])
             self.wall_before, self.eval_wall = st["wall"], st.get("eval_wall", 0.0)
-        opt, header = self.opt, {
-            "config": to_dict(cfg), "versions": versions(), "git_sha": git_sha(), "world_size": world,
-            "device": str(self.dev), "algo": cfg.algo, "elastic": cfg.dist.elastic, "engine": comm.engine(),
-            "controller": comm.controller(), "outer_steps": self.K, "inner_steps_per_outer": self.L,
-            "overlap": self.opt.overlap, "balance": "time" if self.opt.balance else "off",
-            "batches_per_pass": self.nb, "params": self.n_params, "resumed_from": resume_step}
+        opt, header = self.opt, report.run_header(self)
         # Only now, with the config and any checkpoint accepted, touch the run directory's files.
         self.open_log(resume_step or 0)
         log = self.log
@@ -339,7 +326,7 @@ class Trainer:
         rows = r.rows
         self.last_loss, self.loss_step = float(rows[:, 0].mean()), r.step
         if self.rank == 0 and (r.step % self.log_every_steps == 0 or r.step == self.K):
-            self.log.scalars(r.step, self._step_scalars(r))
+            self.log.scalars(r.step, report.step_scalars(self, r))
         bad = [i for i in range(len(rows)) if rows[i, COL["nonfinite"]] > 0]
         if bad:
             last = checkpoint.latest_complete(self.run_dir, self.world)
@@ -358,26 +345,6 @@ class Trainer:
                            f"stopped after outer step {r.step}. The last complete checkpoint (step {done}) is kept "
                            f"in {self.run_dir}/checkpoints")
         self.stop_ranks.update(i for i in range(len(rows)) if rows[i, COL["stop"]] > 0)
-
-    def _step_scalars(self, r: SyncReport) -> dict:
-        rows, plan, algo, cs = r.rows, r.plan, self.opt.algo, comm.stats()
-        sc = {"train/loss": rows[:, 0].mean(), "train/loss_max": rows[:, 0].max(),
-              "train/loss_max_inner": rows[:, 1].max(), "parle/lr": plan.lr,
-              "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
-              "perf/samples_per_sec": sum(plan.steps) * self.cfg.train.batch_size / max(r.seconds, 1e-9),
-              "perf/step_seconds": r.seconds, "train/passes": r.step * self.L / self.nb}
-        if self.opt.balance:              # what each replica did in step k, and how fast
-            sc.update({f"balance/inner_steps/{a}": n for a, n in enumerate(plan.steps)})
-            sc.update({f"balance/step_seconds/{a}": v for a, v in enumerate(rows[:, COL["step_seconds"]].tolist())})
-        if self.member is not None:
-            sc["dist/world_size"] = self.world
-        if "gamma" in algo.couplings:
-            sc.update({"parle/gamma": 1.0 / plan.gk if plan.gk > 0 else None, "parle/gamma_inv": plan.gk})
-        if "rho" in algo.couplings:
-            sc.update({"parle/rho": 1.0 / plan.rk if plan.rk > 0 else None, "parle/rho_inv": plan.rk})
-        if algo.syncs:
-            sc.update({"parle/replica_distance": rows[:, 2].mean(), "parle/replica_distance_max": rows[:, 2].max()})
-        return sc
 
     def _progress_text(self, k: int) -> str:
         """With parle.overlap the newest rows are the previous step's (none yet at step 1):
@@ -398,56 +365,24 @@ class Trainer:
             self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
         self.evals += 1
         self.eval_wall += time.monotonic() - t_eval
-        self.last_val, passes, m = (acc, vloss), k * self.L / self.nb, self.obj.metric
-        sc = {f"val/{m}": acc, "val/loss": vloss,   # val/*: the test set; m: accuracy, loss, perplexity or the user's
-              "comm/allreduce_calls": comm.stats().allreduce_calls, "comm/bytes": comm.stats().bytes,
-              "train/passes": passes, "train/wall_seconds": self.wall(), "train/eval_seconds": self.eval_wall}
-        if m == "accuracy":
-            sc["val/error"] = 1 - acc
+        self.last_val = (acc, vloss)
         if valid is not None:
             self.last_valid = valid
-            sc.update({f"valid/{m}": valid[0], "valid/loss": valid[1]})
-            if m == "accuracy":
-                sc["valid/error"] = 1 - valid[0]
-        self.log.scalars(k, sc)
-        short, couplings = "acc" if m == "accuracy" else m, self.opt.algo.couplings
-        self.log.info(f"step {k}/{self.K} pass {passes:.2f}: "
-                      + (f"valid {short} {valid[0]:.4f}, " if valid is not None else "")
-                      + f"test {short} {acc:.4f} loss {vloss:.4f}, train loss {self.last_loss:.4f}, lr {plan.lr:.3g}"
-                      + (f" gamma_inv {plan.gk:.3g}" if "gamma" in couplings else "")
-                      + (f" rho_inv {plan.rk:.3g}" if "rho" in couplings else "")
-                      + (f", {self.world} ranks" if self.member is not None else ""))
+        scalars, line = report.evaluation(self, k, plan, acc, vloss, valid)
+        self.log.scalars(k, scalars)
+        self.log.info(line)
         self.model.train()
 
     def _stopped(self, k: int) -> dict:
-        who = sorted(self.stop_ranks)
-        self.log.info(f"stopped after outer step {k} on a signal to rank(s) {who}; checkpoint written; "
+        self.log.info(f"stopped after outer step {k} on a signal to rank(s) {sorted(self.stop_ranks)}; checkpoint written; "
                       f"resume with run.resume=true run.dir={self.run_dir}")
         self.log.close()
         return {"stopped_at": k, "run_dir": str(self.run_dir)}
 
     def finish(self) -> dict:
-        cfg, log, opt, cs, wall, m = self.cfg, self.log, self.opt, comm.stats(), self.wall(), self.obj.metric
-        # val_accuracy/val_loss: the test set (the historical names); valid_*: the held-out
-        # validation split of the training set (data.val_frac; NaN without one). With
-        # eval.metric other than accuracy: test_<metric>, valid_<metric>, no *_accuracy.
-        figures = {f"val_{m}": self.last_val[0]} if m == "accuracy" else {}
-        figures.update({"val_loss": self.last_val[1], f"test_{m}": self.last_val[0], "test_loss": self.last_val[1],
-                        f"valid_{m}": self.last_valid[0], "valid_loss": self.last_valid[1]})
-        summary = {"metric": m, **figures, "wall_seconds": wall, "eval_seconds": self.eval_wall,
-                   "outer_steps": self.K, "inner_steps": self.K * self.L, "sync_period": self.L,
-                   "passes": self.K * self.L / self.nb, "overlap": opt.overlap,
-                   "balance": "time" if opt.balance else "off", "overlapped_syncs": opt.overlapped_syncs,
-                   "evaluations": self.evals, "samples_seen": self.samples, "allreduce_calls": cs.allreduce_calls,
-                   "broadcast_calls": cs.broadcast_calls, "bytes_communicated": cs.bytes,
-                   "allreduce_bytes": cs.allreduce_bytes, "broadcast_bytes": cs.broadcast_bytes,
-                   "final_replica_distance": self.spread[0], "final_replica_distance_max": self.spread[1],
-                   "params": self.n_params, "world_size": self.world, "algo": cfg.algo,
-                   "engine": comm.engine(), "controller": comm.controller(), "device": str(self.dev),
-                   "resumed_from": self.resumed_from,
-                   "elastic": cfg.dist.elastic, "elastic_events": self.member.events if self.member else [],
-                   "elastic_commit_seconds": self.member.commit_seconds if self.member else 0.0,
-                   "config": to_dict(cfg)}
+        cfg, log, opt, cs, m = self.cfg, self.log, self.opt, comm.stats(), self.obj.metric
+        summary = report.summary(self)
+        wall = summary["wall_seconds"]
         if self.rank == 0:
             try:   # each written whole or not at all
                 checkpoint.atomic_save(opt.ref_model.state_dict(), self.run_dir / "final.pt")

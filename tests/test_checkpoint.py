@@ -49,7 +49,8 @@ def test_a_checkpoint_from_before_weights_only_files_still_loads_and_restores_nu
     import numpy as np
     import pickle
     import pytest
-    from parle_hvd.trainer import _np_rng_state, _np_set_rng_state
+    from parle_hvd.assemble import rng_state, set_rng_state
+    cpu = torch.device("cpu")
     np.random.seed(7)
     old = np.random.get_state()
     checkpoint.atomic_save({"step": 4, "world": 1, "rng_np": old}, checkpoint.step_dir(tmp_path, 4) / "rank-0.pt")
@@ -59,14 +60,14 @@ def test_a_checkpoint_from_before_weights_only_files_still_loads_and_restores_nu
     assert checkpoint.latest_complete_any(tmp_path) == (4, 1)
     want = np.random.rand(3)
     np.random.seed(0)
-    _np_set_rng_state(st["rng_np"])                 # the old tuple
+    set_rng_state({**rng_state(cpu), "rng_np": st["rng_np"]}, cpu)   # the old tuple
     assert np.array_equal(np.random.rand(3), want)
     np.random.seed(7)
-    new = _np_rng_state()                           # the new form: tensors and numbers only
+    new = rng_state(cpu)["rng_np"]                 # the new form: tensors and numbers only
     checkpoint.atomic_save({"step": 5, "world": 1, "rng_np": new}, checkpoint.step_dir(tmp_path, 5) / "rank-0.pt")
     got = torch.load(checkpoint.step_dir(tmp_path, 5) / "rank-0.pt", weights_only=True)["rng_np"]
     np.random.seed(0)
-    _np_set_rng_state(got)
+    set_rng_state({**rng_state(cpu), "rng_np": got}, cpu)
     assert np.array_equal(np.random.rand(3), want)
     f = checkpoint.step_dir(tmp_path, 5) / "rank-0.pt"
     f.write_bytes(f.read_bytes()[:40])

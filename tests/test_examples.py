@@ -39,3 +39,35 @@ def test_charlm_trains_through_train_py_and_ships_weights(tmp_path):
     with torch.no_grad():
         loss = float(lm_loss(net.eval()(test.tensors[0]), test.tensors[1]))
     assert math.isclose(loss, s["test_loss"], rel_tol=1e-4), (loss, s["test_loss"])
+
+
+OWN = ROOT / "examples/own_loop.py"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("controller", ["gloo", "torchrun"])
+def test_own_loop_matches_train_py_to_the_bit(tmp_path, controller):
+    """Issue 22: examples/own_loop.py, a user's script (its model, a torch DataLoader, its
+    loss, its loop) with parle_hvd.optim, ends with the same reference weights as train.py
+    on the same config, to the bit in float64, on 2 ranks, under Horovod and torch.distributed:
+    the trainer is a consumer of the same optimizer, not a second implementation."""
+    from multirank import ENGINE_OF, horovod_installed
+    if ENGINE_OF[controller] == "horovod" and not horovod_installed():
+        pytest.skip("Horovod not installed")
+    own = tmp_path / "own.pt"
+    out = run_ranks(OWN, controller=controller, args=["--dtype", "float64", "--epochs", "2", "--train-limit", "1024",
+                                                      "--out", str(own)], timeout=240, reports=False)[0]["_output"]
+    accs = [float(l.rsplit(" ", 1)[1]) for l in out.splitlines() if "reference test accuracy" in l]
+    assert len(accs) == 2 and accs[-1] > 0.6, out           # it learned: Fashion-MNIST's chance is 0.1
+    run = tmp_path / "train"
+    run_ranks(TRAIN, controller=controller, timeout=240, reports=False, args=[
+        "--config", "configs/fashion_parle.yaml", f"model.target={OWN}:Net", "model.dtype=float64",
+        "optim.schedule=constant", "eval.bn_batches=0", "parle.sync_period=4", "train.batch_size=32",
+        "train.epochs=2", "data.train_limit=1024", "data.test_limit=1000", "eval.every=1", "run.progress=lines",
+        f"run.dir={run}"])
+    mine, theirs = torch.load(own, weights_only=True), torch.load(run / "final.pt", weights_only=True)
+    assert mine.keys() == theirs.keys() and any("running_mean" in k for k in mine)
+    for k in mine:
+        assert mine[k].dtype in (torch.float64, torch.int64) and torch.equal(mine[k], theirs[k]), k
+    s = json.loads((run / "summary.json").read_text())
+    assert s["engine"] == ENGINE_OF[controller] and s["outer_steps"] == 2 * 1024 // 32 // 4

@@ -264,7 +264,7 @@ def test_inner_loop_timer_on_a_gpu_waits_for_its_own_stream_not_the_device(monke
     waits for that stream alone, under the watchdog's guard, and reads the events' time.
     (Fake events: no GPU here; launch/gpu_check.sh runs the real thing.)"""
     import contextlib
-    from parle_hvd import trainer
+    from parle_hvd import optim
     calls = []
 
     class Event:
@@ -297,8 +297,8 @@ def test_inner_loop_timer_on_a_gpu_waits_for_its_own_stream_not_the_device(monke
         yield
         calls.append("watchdog off")
 
-    timer = trainer.InnerTimer(torch.device("cuda", 0))
+    timer = optim.InnerTimer(torch.device("cuda", 0))
     assert timer.seconds(guard()) == pytest.approx(0.75)
     assert calls == ["record", "watchdog on", "record", "wait for the stream", "watchdog off"]
-    cpu = trainer.InnerTimer(torch.device("cpu"))          # on the CPU: host time, no events
+    cpu = optim.InnerTimer(torch.device("cpu"))          # on the CPU: host time, no events
     assert 0 <= cpu.seconds() < 5 and calls[-1] == "watchdog off"
