@@ -50,7 +50,9 @@ def main():
     model = Net().to(dtype)
     # each replica its own order of the whole training set, deterministic by seed and rank
     sampler = ReplicaSampler(torch.arange(len(ds.train_x)), a.batch_size, seed=a.seed, rank=rank)
-    loader = DataLoader(TensorDataset(ds.train_x, ds.train_y), batch_sampler=sampler)
+    # its own generator: a DataLoader draws a seed at every pass, from torch's global stream
+    # otherwise, which would shift dropout's draws
+    loader = DataLoader(TensorDataset(ds.train_x, ds.train_y), batch_sampler=sampler, generator=torch.Generator())
     opt = parle_hvd.optim.make(a.algo, model, lr=a.lr, sync_period=a.sync_period, batches_per_pass=len(loader),
                                seed=a.seed)
     for epoch in range(a.epochs):

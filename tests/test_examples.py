@@ -71,3 +71,23 @@ def test_own_loop_matches_train_py_to_the_bit(tmp_path, controller):
         assert mine[k].dtype in (torch.float64, torch.int64) and torch.equal(mine[k], theirs[k]), k
     s = json.loads((run / "summary.json").read_text())
     assert s["engine"] == ENGINE_OF[controller] and s["outer_steps"] == 2 * 1024 // 32 // 4
+
+
+@pytest.mark.multirank
+def test_readme_use_it_from_python_runs_on_2_ranks(tmp_path):
+    """README's "Use it from Python", copied as it stands, runs under horovodrun (or torchrun
+    without Horovod), learns, and writes each rank's exact-resume state."""
+    import re
+    from multirank import DEFAULT, launcher_cmd, run_command, VENV_BIN
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"## Use it from Python\n.*?```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.splitlines()) < 40
+    (tmp_path / "my_script.py").write_text(code)
+    cmd = launcher_cmd(DEFAULT, 2) + [str(VENV_BIN / "python"), "my_script.py"]
+    rc, out = run_command(cmd, timeout=240, cwd=tmp_path, env={"PYTHONPATH": str(ROOT)})
+    assert rc == 0, out
+    accs = [float(m) for m in re.findall(r"reference accuracy ([0-9.]+)", out)]
+    assert len(accs) == 8 and accs[-1] > 0.85 and accs[-1] > accs[0] - 0.02, out
+    for r in (0, 1):
+        st = torch.load(tmp_path / f"ckpt-rank{r}.pt", weights_only=True)
+        assert st["opt"]["step"] == 8 * 1024 // 32 // 4 and "ref" in st["opt"]
