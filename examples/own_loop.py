@@ -2,11 +2,12 @@
 
     horovodrun -np 2 -H localhost:2 python examples/own_loop.py --epochs 2
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py --epochs 2
-    ... --algo localsgd   (or diloco, elastic, dpsgd, sgd: one word changes the algorithm)
+    ... --algo localsgd   (or diloco, elastic, sgd: one word changes the algorithm)
 
-The same run through train.py gives the same final weights, to the bit in float64
-(tests/test_examples.py): train.py --config configs/fashion_parle.yaml
+For Parle the same run through train.py gives the same final weights, to the bit in
+float64 (tests/test_examples.py): train.py --config configs/fashion_parle.yaml
 model.target=examples/own_loop.py:Net optim.schedule=constant eval.bn_batches=0 ...
+(dpsgd in train.py shards the data, where this script gives every rank all of it).
 """
 import argparse
 

@@ -16,15 +16,16 @@ __version__ = "0.1.0"
 __all__ = ["init", "rank", "size", "local_rank", "shutdown", "optim"]
 
 
-def init(*, engine: str = "auto", timeout: float = 300.0, threads: bool = True, backend: str = "auto") -> None:
+def init(*, engine: str = "auto", timeout: float = 300.0, threads: bool = True, gpu_backend: str = "nccl") -> None:
     """Join the job as one replica: Horovod (horovodrun, mpirun, srun) or torch.distributed
     (torchrun), whichever launched this process (``engine="auto"``; or "horovod", "torch").
     ``timeout``: seconds a collective may wait for a silent peer before the job fails.
-    ``threads``: give this rank its share of the host's cores. ``backend``: torch.distributed's
-    ("auto": NCCL on a GPU, Gloo on the CPU). A launch whose world the engine cannot see
-    raises ``parle_hvd.comm.EngineError`` with what to do, rather than train alone."""
+    ``threads``: give this rank its share of the host's cores. ``gpu_backend``: torch.distributed's
+    for CUDA tensors ("nccl", or "gloo" when ranks share a GPU; CPU tensors always take Gloo).
+    Without a launcher this process is a world of one. A launch whose world the engine cannot
+    see raises ``parle_hvd.comm.EngineError`` with what to do, rather than train alone."""
     from . import comm
-    comm.init(backend, set_threads=threads, timeout=timeout, engine=engine)
+    comm.init("auto", set_threads=threads, timeout=timeout, engine=engine, gpu_backend=gpu_backend)
 
 
 def rank() -> int:

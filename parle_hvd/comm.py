@@ -40,6 +40,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 _eng = None          # the engine once initialised (_Horovod or torchdist.TorchEngine), else None
+_init_called = False  # init() ran (with backend "none", a launched process may knowingly run alone)
 _launched_env = ("HOROVOD_RANK", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
                  "MV2_COMM_WORLD_SIZE")
 ENGINES = ("auto", "horovod", "torch")
@@ -277,7 +278,7 @@ def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, 
     Horovod's stall warning (60 s) and stall shutdown (``timeout``) unless the environment
     already does, or Gloo's timeout a minute after it under torch.distributed; the
     trainer's watchdog acts first. ``gpu_backend``: torch.distributed's for CUDA tensors."""
-    global _eng
+    global _eng, _init_called
     if backend not in ("auto", "horovod", "none"):
         raise ValueError(f"dist.backend must be auto, horovod or none, not {backend!r}")
     if _eng is None and (backend == "horovod" or (backend == "auto" and launched())):
@@ -295,6 +296,7 @@ def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, 
         if name == "torch" and chose and _srun_without_pmi() and _eng.rank() == 0:
             print(f"[parle_hvd] srun gave its {_eng.size()} tasks no MPI world (--mpi=none): dist.engine=torch "
                   f"chosen (SLURM's variables); srun --mpi=pmix lets Horovod join", file=sys.stderr, flush=True)
+    _init_called = True
     if set_threads:
         set_threads_per_rank()
 
@@ -307,6 +309,11 @@ def set_threads_per_rank() -> None:
 
 def is_initialized() -> bool:
     return _eng is not None
+
+
+def init_called() -> bool:
+    """Whether ``init`` ran in this process, whatever world it found."""
+    return _init_called
 
 
 def engine() -> str:

@@ -154,7 +154,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cfg: Config, *, schedule: Callable[[int], tuple],
                  flags: Optional[Callable[[int], dict]] = None, watchdog=None, init_broadcast: bool = True):
-        if not comm.is_initialized() and comm.launched():     # n processes would each train alone
+        if not comm.init_called() and comm.launched():     # n processes would each train alone
             raise RuntimeError("parle_hvd.optim: a launcher started this process; call parle_hvd.init() "
                                "first, on every rank")
         params = list(model.parameters())
@@ -212,6 +212,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         k = self.k + 1
         if k not in self.plans:
             self.synchronize()
+        if self.j == 0 and self._timer is None:     # the step's clock: from before its first forward
+            self._timer, self._t_step = InnerTimer(self.dev), time.monotonic()
         return self.plans[k]
 
     def step(self, closure=None, *, loss: Optional[torch.Tensor] = None):
@@ -266,7 +268,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Everything a resume needs beyond the model's ``state_dict`` (live tensors: copy
         before keeping): the group's hyper-parameters, the algorithm's buffers, the
         reference, the plans and counters; mid outer step, Parle's x[a] and z too. Waits for
-        a sync in flight: all ranks reach this alike."""
+        a sync in flight (or makes the first sync): all ranks reach this alike."""
+        if not self.started:
+            self.start()
         self.synchronize()
         g = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         sd = {"step": self.k, "inner": self.j, "param_groups": [g], "ref": self.ref_model.state_dict(),
@@ -274,7 +278,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
               "overlapped_syncs": self.overlapped_syncs, "dist_prev": self.dist_prev, "ref_n": self.ref_n,
               "sched": list(self.plans[self.k + 1][:3]) if self.k + 1 in self.plans else []}
         if self.j:                      # inside an outer step: its losses so far, and Parle's x[a] and z
-            sd["mid"] = {"losses": list(self._losses)}
+            p = self._plan               # the plan this step runs (plans[k+1] may be newer: overlap, balance)
+            sd["mid"] = {"losses": list(self._losses), "plan": [p.gk, p.rk, p.lr, list(p.steps)]}
             if self._parle_mid():
                 sd["mid"].update(x=self.algo.opt.x, z=self.algo.opt.z)
         return sd
@@ -294,9 +299,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.load_plans(sd.get("plans") or {self.k + 1: [*sd["sched"], [self.L] * self.world]})
         self.overlapped_syncs = sd.get("overlapped_syncs", 0)
         self.ref_n = sd.get("ref_n", self.world)
-        self.inflight = None
+        self.inflight, self._timer = None, None
         if self.j:                      # resumed inside an outer step
-            self._plan = self.plans[self.k + 1]
+            p = sd["mid"].get("plan")
+            self._plan = Plan(p[0], p[1], p[2], tuple(p[3])) if p else self.plans[self.k + 1]
             if self._parle_mid():
                 self.algo.in_outer = True
                 with torch.no_grad():
@@ -325,15 +331,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if math.isfinite(self._plan.lr):
             for g in self.param_groups:
                 g["lr"] = self._plan.lr
-        self._losses, self._t_step = [], time.monotonic()
-        self._timer = InnerTimer(self.dev)
+        self._losses = []               # (next_plan started the step's clock)
         self.algo.begin_outer()
 
     def _end_outer(self) -> None:
         k, plan = self.k + 1, self._plan
         # every rank enters this guard alike, once per outer step (a GPU waits in it for the
         # stream of the inner steps), so the heartbeats' counts stay in step
-        t_inner = self._timer.seconds(self._guard("inner loop", k))
+        t_inner, self._timer = self._timer.seconds(self._guard("inner loop", k)), None
         if self.inflight is not None:
             self._receive(k)                       # overlap: step k-1's sync, waited for only now
         self._outer_update(k, plan)
@@ -522,4 +527,6 @@ def make(algo: str, model: nn.Module, *, lr: float, sync_period: Optional[int] =
             gk, rk = scoping(k * L / P.sync_period, gamma0_inv=P.gamma0_inv, gamma_min_inv=P.gamma_min_inv,
                              rho0_inv=P.rho0_inv, rho_min_inv=P.rho_min_inv, scoping=P.scoping, nb=batches_per_pass)
             return gk, rk, math.nan          # nan: the group's lr, as the user's scheduler leaves it
-    return DistributedOptimizer(model, cfg, schedule=schedule, watchdog=watchdog)
+    opt = DistributedOptimizer(model, cfg, schedule=schedule, watchdog=watchdog)
+    opt.start()          # the first reference, before any forward moves BatchNorm's buffers (as train.py)
+    return opt

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from . import checkpoint, comm, report
+from .report import COL
 from .algorithms import ALGORITHMS
 from .assemble import configure_torch, inference_card, load_data, new_model, pick_device, resolve_objective, rng_state, seed_replica, \
     set_rng_state
@@ -37,7 +38,7 @@ from .checkpoint import CheckpointError
 from .config import Config, to_dict
 from .data import ReplicaSampler, augment_batch, common_nb, replica_indices, to_device, to_input, _gen
 from .evaluation import evaluate, recompute_bn
-from .exchange import SLOT, outer_schedule
+from .exchange import outer_schedule
 from .logger import RunLogger
 from .membership import Membership, run_torchrun_elastic
 from .optim import DistributedOptimizer, SyncReport, _injected
@@ -45,7 +46,6 @@ from .rundir import RunError, discard_if_empty, resume_point, start_run
 from .watchdog import StopSignal, Watchdog
 
 __all__ = ["Trainer", "train", "RunError", "DivergenceError"]
-COL = {c: i for i, c in enumerate(SLOT)}
 
 
 class DivergenceError(RuntimeError):

@@ -132,3 +132,30 @@ def test_a_non_finite_loss_stops_at_the_sync():
     opt.step(loss=torch.tensor(1.0, dtype=torch.float64))
     with pytest.raises(optim.NonFiniteError, match="outer step 1"):
         opt.step(loss=torch.tensor(float("nan"), dtype=torch.float64))
+
+
+def test_backend_none_under_launcher_variables_runs_alone_on_purpose(monkeypatch):
+    """dist.backend=none (one process, knowingly) still trains when launcher variables are
+    set (a pytest run under mpirun, srun -n1): only a process that never called init() is
+    refused, since n such processes would each train alone."""
+    from parle_hvd import comm
+    monkeypatch.setenv("PMIX_RANK", "0")
+    monkeypatch.setattr(comm, "_init_called", False)
+    with pytest.raises(RuntimeError, match="call parle_hvd.init"):
+        optim.make("localsgd", _model(), lr=0.1, sync_period=2)
+    comm.init("none", set_threads=False)
+    opt = optim.make("localsgd", _model(), lr=0.1, sync_period=2)
+    assert opt.world == 1 and opt.k == 0 and opt.started
+
+
+def test_state_dict_before_the_first_step_loads():
+    a = _model()
+    opt = optim.make("parle", a, lr=0.1, sync_period=2, batches_per_pass=4)
+    saved = copy.deepcopy({"model": a.state_dict(), "opt": opt.state_dict()})
+    b = _model(seed=3)
+    opt2 = optim.make("parle", b, lr=0.1, sync_period=2, batches_per_pass=4)
+    b.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    _steps(opt, a, 0, 5)
+    _steps(opt2, b, 0, 5)
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
