@@ -37,12 +37,12 @@ test-fast: $(STAMP)
 
 # Every benchmark in its --quick mode (each under a minute), printing `name: value` lines.
 bench-quick: $(STAMP)
-	@for b in overhead pipeline sync_cost dpsgd_engines communication time_to_accuracy split_data commit_cost; do \
+	@for b in overhead pipeline sync_cost dpsgd_engines communication time_to_accuracy split_data commit_cost data_scale; do \
 	    echo "== bench.$$b --quick"; $(PY) -m bench.$$b --quick || exit 1; done
 
 # The full benchmarks (the figures in docs/RESULTS.md come from `make results`).
 bench: $(STAMP)
-	@for b in overhead pipeline sync_cost dpsgd_engines communication time_to_accuracy split_data commit_cost; do \
+	@for b in overhead pipeline sync_cost dpsgd_engines communication time_to_accuracy split_data commit_cost data_scale; do \
 	    echo "== bench.$$b"; $(PY) -m bench.$$b || exit 1; done
 
 # Regenerate docs/RESULTS.md (about 35 minutes on 2 cores; needs root for the throttled hosts).

@@ -11,12 +11,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, stream
 from .config import Config, to_dict
 from .data import hold_out, load_dataset, to_input
 from .models import build_model
 from .rundir import RunError
-from .targets import Objective, TargetError, build_user_model, check_loss, load_user_dataset, objective
+from .targets import Objective, TargetError, build_user_model, check_loss, load_user_dataset, objective, user_datasets
 
 
 def configure_torch(cfg: Config) -> None:
@@ -45,11 +45,38 @@ def pick_device(want: str, share: bool = False) -> torch.device:
     return torch.device("cuda", i)
 
 
-def load_data(cfg: Config):
-    """The dataset (built in, or data.target's), with its limits and validation split."""
+def streams(cfg: Config, parts=None) -> bool:
+    """Whether the run streams its data (stream.py) rather than hold it decoded in memory."""
     d = cfg.data
+    if d.stream != "auto":
+        return d.stream == "true"
+    if d.name == "shards" and not d.target or d.augment == "imagenet":
+        return True
+    if not (d.target or d.name == "folder"):
+        return False
+    return stream.decoded_bytes(d, cfg.train.seed, parts) > d.memory_limit * stream.GiB
+
+
+def load_data(cfg: Config):
+    """The dataset (built in, or data.target's), with its limits and validation split: in
+    memory (data.Dataset), or streamed (stream.StreamedData) when ``streams(cfg)``."""
+    try:
+        return _load_data(cfg)
+    except TargetError as e:
+        raise RunError(str(e)) from None
+
+
+def _load_data(cfg: Config):
+    d = cfg.data
+    parts = user_datasets(d.target, d.kwargs) if d.target else None
+    if streams(cfg, parts):
+        ds = stream.open_target(d, parts) if d.target else stream.open_images(d, cfg.train.seed)
+        if d.target and not ds.num_classes and not cfg.model.target:
+            raise RunError(f"model.name: {cfg.model.name} needs the number of classes, which a streamed data.target "
+                           f"does not give (give the training set a `classes` list, or set model.target)")
+        return stream.limit(ds, d, cfg.train.seed)
     if d.target:
-        ds = load_user_dataset(d.target, d.kwargs)
+        ds = load_user_dataset(d.target, d.kwargs, parts)
         if d.train_limit:
             ds.train_x, ds.train_y = ds.train_x[:d.train_limit], ds.train_y[:d.train_limit]
         if d.test_limit:
@@ -70,15 +97,16 @@ def new_model(cfg: Config, ds) -> nn.Module:
                        dropout=m.dropout, depth=m.depth, width=m.width)
 
 
-def resolve_objective(cfg: Config) -> tuple[Objective, object]:
+def resolve_objective(cfg: Config, ds=None) -> tuple[Objective, object]:
     """The loss and metric, and any model, dataset, loss or metric named by import path,
     imported and tried once (a forward and the loss on two examples); returns the objective
-    and the dataset when it had to be loaded for the trial (else None). Raises RunError."""
+    and the dataset (``ds``, or loaded for the trial; None when no trial was needed).
+    Raises RunError."""
     try:
         obj = objective(cfg.train.loss, cfg.eval.metric)
         if not (cfg.model.target or cfg.data.target or not obj.builtin_loss or obj.metric_fn is not None):
-            return obj, None
-        ds = load_data(cfg)
+            return obj, ds
+        ds = load_data(cfg) if ds is None else ds
         rng = torch.get_rng_state()
         dtype = getattr(torch, cfg.model.dtype)
         try:
@@ -88,7 +116,8 @@ def resolve_objective(cfg: Config) -> tuple[Objective, object]:
         except Exception as e:         # a built-in model given data.target's examples, say
             raise TargetError(f"model.name: {cfg.model.name} cannot take the data's inputs of shape "
                               f"{tuple(ds.shape)} ({type(e).__name__}: {e}); set model.target") from None
-        check_loss(obj, model, to_input(ds.train_x[:2], ds.mean, ds.std, dtype), ds.train_y[:2], cfg.train.loss,
+        x2, y2 = next(iter(stream.train_examples(ds, [[0, 1] if ds.n_train > 1 else [0]])))
+        check_loss(obj, model, to_input(x2, ds.mean, ds.std, dtype), y2, cfg.train.loss,
                    "model.target" if cfg.model.target else "model.name")
         torch.set_rng_state(rng)       # the trial leaves the run's random streams as they were
         return obj, ds
@@ -103,10 +132,16 @@ def inference_card(cfg: Config, ds, metric: str) -> dict:
     return {"weights": "final.pt", "model": {"name": "" if cfg.model.target else cfg.model.name,
                                              "target": cfg.model.target, "kwargs": cfg.model.kwargs,
                                              "dtype": cfg.model.dtype},
-            "input": {"shape": list(ds.shape), "dtype": str(ds.train_x.dtype).replace("torch.", ""),
+            "input": {"shape": list(ds.shape), "dtype": ds.input_dtype if getattr(ds, "streamed", False) else
+                      str(ds.train_x.dtype).replace("torch.", ""),
                       # built-in images: input = (uint8 / 255 - mean) / std, per channel
                       "mean": list(ds.mean) if ds.mean is not None else None,
-                      "std": list(ds.std) if ds.std is not None else None},
+                      "std": list(ds.std) if ds.std is not None else None,
+                      # how an image becomes that input (data.decode_image)
+                      "resize": None if cfg.data.target or cfg.data.name not in ("folder", "shards") else
+                      ("shorter side to size / crop_frac, then the central size x size, bilinear"
+                       if cfg.data.augment == "imagenet" else "the whole image to size x size, bilinear"),
+                      "crop_frac": cfg.data.crop_frac if cfg.data.augment == "imagenet" else None},
             "num_classes": ds.num_classes, "metric": metric, "algo": cfg.algo, "config": to_dict(cfg)}
 
 

@@ -40,17 +40,37 @@ def _check(cond: bool, key: str, msg: str):
 
 @dataclass
 class DataConfig:
-    name: str = _f("fashion-mnist", "dataset", ["fashion-mnist", "mnist", "cifar10", "cifar100", "svhn", "folder"])
+    name: str = _f("fashion-mnist", "dataset (folder: class subfolders of PNG/JPEG images; shards: WebDataset-style "
+                   "tar shards, python -m parle_hvd.shards)",
+                   ["fashion-mnist", "mnist", "cifar10", "cifar100", "svhn", "folder", "shards"])
     dir: str = _f("", "directory with the dataset files ('' = the dataset's default location)")
     test_frac: float = _f(0.1, "folder without train/ and test/: fraction of each class held out for test")
-    image_size: int = _f(0, "folder: resize images to this square size (0 = the first image's size)")
+    image_size: int = _f(0, "folder, shards: resize images to this square size (0 = the first image's width)")
     svhn_extra: bool = _f(False, "svhn: add extra_32x32.mat to the training set")
     split: str = _f("full", "full: every replica sees all data; frac: replica i sees a window of "
                     "data.frac of it starting at i/n (PARLE.md)", ["full", "frac"])
     frac: float = _f(1.0, "fraction of the training data each replica sees when split=frac, in (0, 1]")
     train_limit: int = _f(0, "use only the first N training examples (0 = all); for smoke runs")
     test_limit: int = _f(0, "use only the first N test examples (0 = all)")
-    augment: bool = _f(False, "random crop (4-pixel pad) and horizontal flip on training batches")
+    augment: str = _f("off", "training augmentation: off; crop (true): random 4-pixel pad-and-crop and horizontal "
+                      "flip of each batch; imagenet: RandomResizedCrop + flip at decode, resize + center crop "
+                      "for evaluation (streamed)", ["off", "crop", "imagenet", "on", "true", "false", "none"])
+    stream: str = _f("auto", "folder, shards, data.target: decode in DataLoader workers instead of holding the "
+                     "decoded set in memory; auto: when it would exceed data.memory_limit (always for shards "
+                     "and augment=imagenet)", ["auto", "true", "false", "on", "off"])
+    memory_limit: float = _f(4.0, "data.stream=auto: GiB per rank the decoded training and test sets may take in memory")
+    workers: int = _f(2, "streamed: DataLoader worker processes per rank decoding examples (0: in the training process)")
+    prefetch: int = _f(2, "streamed: batches each worker decodes ahead")
+    pin_memory: bool = _f(True, "streamed, on a GPU: page-locked batches, copied to the device without blocking")
+    worker_start: str = _f("fork", "streamed: how workers start (multiprocessing context)", ["fork", "spawn", "forkserver"])
+    stats_sample: int = _f(2000, "folder, shards: normalisation mean/std from this many training images "
+                           "(a fixed sample by train.seed; all when fewer); saved in final.json")
+    skip_corrupt: bool = _f(False, "streamed: an unreadable image is replaced by the next readable one and "
+                            "counted, with a warning naming it (else the run stops naming the file)")
+    shuffle_shards: int = _f(4, "shards: examples are mixed across this many shards at a time (memory: about "
+                             "3 x this many shards' bytes per rank)")
+    crop_frac: float = _f(0.875, "augment=imagenet: evaluation resizes the shorter side to image_size / crop_frac, "
+                          "then takes the central image_size square")
     val_frac: float = _f(0.0, "hold out this fraction of each class of the training set as a validation split "
                          "(fixed by train.seed), evaluated with the test set (valid/* metrics)")
     target: str = _f("", "your dataset instead of data.name: module:function or file.py:function returning "
@@ -64,10 +84,28 @@ class DataConfig:
         _check(0.0 < self.test_frac < 1.0, "data.test_frac", f"must be in (0, 1), got {self.test_frac}")
         _check(0.0 <= self.val_frac < 1.0, "data.val_frac", f"must be in [0, 1), got {self.val_frac}")
         _check(self.image_size >= 0, "data.image_size", "must be >= 0")
+        self.augment = {"on": "crop", "true": "crop", "false": "off", "none": "off"}.get(self.augment, self.augment)
+        self.stream = {"on": "true", "off": "false"}.get(self.stream, self.stream)
+        _check(self.memory_limit > 0, "data.memory_limit", f"must be > 0 (GiB), got {self.memory_limit}")
+        _check(self.workers >= 0, "data.workers", f"must be >= 0, got {self.workers}")
+        _check(self.prefetch >= 1, "data.prefetch", f"must be >= 1, got {self.prefetch}")
+        _check(self.stats_sample >= 1, "data.stats_sample", f"must be >= 1, got {self.stats_sample}")
+        _check(self.shuffle_shards >= 1, "data.shuffle_shards", f"must be >= 1, got {self.shuffle_shards}")
+        _check(0.0 < self.crop_frac <= 1.0, "data.crop_frac", f"must be in (0, 1], got {self.crop_frac}")
+        streamable = self.target or self.name in ("folder", "shards")
+        _check(self.stream != "true" or streamable, "data.stream",
+               f"true is for data.name=folder or shards, or data.target ({self.name} is read into memory)")
+        _check(self.stream != "false" or self.name != "shards", "data.stream", "false: tar shards are always streamed")
+        _check(self.augment != "imagenet" or self.stream != "false", "data.augment",
+               "imagenet crops the original images at decode: it needs data.stream=auto or true")
+        _check(self.augment != "imagenet" or (streamable and not self.target), "data.augment",
+               "imagenet is for data.name=folder or shards")
+        _check(self.augment != "imagenet" or self.image_size > 0, "data.image_size",
+               "set it with data.augment=imagenet (224 for ImageNet)")
         # a data.target dataset holds any kind of example: no class-stratified split, no image augmentation
         _check(not (self.target and self.val_frac), "data.val_frac",
                "not with data.target: return the validation set from it, (train, test, validation)")
-        _check(not (self.target and self.augment), "data.augment", "not with data.target (its examples are read "
+        _check(not (self.target and self.augment != "off"), "data.augment", "not with data.target (its examples are read "
                "once and kept; pad-crop and flip are for the built-in image datasets)")
 
 

@@ -54,9 +54,15 @@ class Dataset:
     val_x: Optional[torch.Tensor] = None    # the validation split held out of train_x (data.val_frac)
     val_y: Optional[torch.Tensor] = None
 
+    streamed = False            # held in memory (stream.StreamedData is the streamed kind)
+
     @property
     def shape(self):
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train_x)
 
 
 # --------------------------------------------------------------------------- IDX (MNIST-style)
@@ -227,6 +233,14 @@ def load_svhn(directory: str, extra: bool = False) -> Dataset:
 
 # --------------------------------------------------------------------------- image folder
 _IMG_EXT = {".png", ".jpg", ".jpeg"}
+_GRAY_MODES = ("L", "1", "I", "I;16", "LA")
+
+
+@functools.lru_cache(maxsize=1)
+def _bad_image() -> tuple:
+    """What PIL raises for a truncated, corrupt or unreadable image (a bomb is corrupt, too)."""
+    from PIL import Image
+    return OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError
 
 
 def _class_files(d: Path) -> dict:
@@ -234,11 +248,11 @@ def _class_files(d: Path) -> dict:
             for c in sorted(d.iterdir()) if c.is_dir()}
 
 
-def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, seed: int = 0) -> Dataset:
-    """Class subfolders of PNG/JPEG images: ``dir/train/<class>/*`` and ``dir/test/<class>/*``,
-    or ``dir/<class>/*`` with ``test_frac`` of each class held out (a shuffle fixed by ``seed``,
-    the run's train.seed)."""
-    from PIL import Image, UnidentifiedImageError
+def folder_split(directory: str, test_frac: float = 0.1, seed: int = 0) -> tuple:
+    """The file lists of an image folder, without opening an image: ``(classes, train,
+    test)``, each list of ``(path, label)`` in class order. ``dir/train/<class>/*`` and
+    ``dir/test/<class>/*``, or ``dir/<class>/*`` with ``test_frac`` of each class held out
+    (a shuffle fixed by ``seed``, the run's train.seed)."""
     if not directory:
         raise DataError("folder: set data.dir to a directory of class subfolders of PNG/JPEG images")
     d = Path(directory)
@@ -262,42 +276,173 @@ def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, see
             split[c] = ([fs[i] for i in perm[n_te:]], [fs[i] for i in perm[:n_te]])
     if len(classes) < 2 or any(not split[c][0] for c in classes):
         raise DataError(f"folder: {d} needs at least 2 class subfolders, each with PNG/JPEG training images")
-    imgs = []
-    for c in classes:
-        for part in (0, 1):
-            for f in split[c][part]:
-                try:
-                    with Image.open(f) as im:
-                        im.load()
-                        imgs.append((part, classes.index(c), im.copy()))
-                except (OSError, UnidentifiedImageError) as e:
-                    raise DataError(f"{f}: unreadable or corrupt image ({e.__class__.__name__})") from None
-    gray = all(im.mode in ("L", "1", "I", "I;16") for _, _, im in imgs)
-    size = image_size or imgs[0][2].size[0]
-    xs = {0: [], 1: []}
-    ys = {0: [], 1: []}
-    for part, label, im in imgs:
-        im = im.convert("L" if gray else "RGB")
-        if im.size != (size, size):
-            im = im.resize((size, size), Image.BILINEAR)
-        a = np.asarray(im, dtype=np.uint8)
-        xs[part].append(a[None] if gray else a.transpose(2, 0, 1))
-        ys[part].append(label)
+    train = [(str(f), li) for li, c in enumerate(classes) for f in split[c][0]]
+    test = [(str(f), li) for li, c in enumerate(classes) for f in split[c][1]]
+    if not test:
+        raise DataError(f"folder: {d} gives no test images (add test/ or more images per class)")
+    return classes, train, test
+
+
+def open_image(src, name: str = ""):
+    """A PIL image from a path or the file's bytes (header only: nothing decoded yet).
+    Raises DataError naming the file."""
+    from PIL import Image
+    import io
+    try:
+        im = Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray, memoryview)) else src)
+        im.size, im.mode          # noqa: B018 - a bad header fails here
+        return im
+    except _bad_image() as e:
+        raise DataError(f"{name or src}: unreadable or corrupt image ({e.__class__.__name__})") from None
+
+
+def rrc_box(w: int, h: int, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple:
+    """RandomResizedCrop's box (left, top, right, bottom) in a w x h image: torchvision's
+    algorithm (10 tries at a random area and log-uniform aspect ratio, else the central
+    crop at the nearest allowed ratio), drawing from ``rng`` (a ``random.Random``)."""
+    import math
+    area = w * h
+    lr = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        ar = math.exp(rng.uniform(*lr))
+        cw, ch = int(round(math.sqrt(target * ar))), int(round(math.sqrt(target / ar)))
+        if 0 < cw <= w and 0 < ch <= h:
+            x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
+            return x0, y0, x0 + cw, y0 + ch
+    in_ratio = w / h
+    if in_ratio < ratio[0]:
+        cw, ch = w, int(round(w / ratio[0]))
+    elif in_ratio > ratio[1]:
+        cw, ch = int(round(h * ratio[1])), h
+    else:
+        cw, ch = w, h
+    x0, y0 = (w - cw) // 2, (h - ch) // 2
+    return x0, y0, x0 + cw, y0 + ch
+
+
+def center_box(w: int, h: int, crop_frac: float) -> tuple:
+    """The central square of side ``crop_frac`` x the shorter side: resize-shorter-side then
+    center-crop (ImageNet's 256 -> 224 is crop_frac 0.875) as one crop of the original."""
+    s = min(w, h) * crop_frac
+    x0, y0 = round((w - s) / 2), round((h - s) / 2)      # whole-pixel offsets, as torchvision's CenterCrop
+    return x0, y0, x0 + s, y0 + s
+
+
+def decode_image(src, *, size: int, gray: bool, recipe: str = "fixed", rng=None, crop_frac: float = 0.875,
+                 name: str = "") -> np.ndarray:
+    """One image (a path or its bytes) -> uint8 [C, size, size], resized as it is decoded
+    (a JPEG is decoded at the smallest 1/2^k scale that still covers the output, and no
+    full-size copy is kept). ``recipe``:
+
+    * ``fixed``: the whole image squashed to size x size (what the in-memory folder holds);
+    * ``train``: RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) + horizontal flip, drawn
+      from ``rng`` (a ``random.Random``);
+    * ``eval``: resize the shorter side to size / crop_frac, then the central size x size.
+
+    Any mode (palette, RGBA, CMYK, 16-bit, grayscale) becomes L (``gray``) or RGB.
+    Raises DataError naming the file when it cannot be decoded."""
+    from PIL import Image
+    mode = "L" if gray else "RGB"
+    im = open_image(src, name)
+    try:
+        with im:
+            w, h = im.size
+            if recipe == "fixed":
+                box = (0, 0, w, h)
+            elif recipe == "train":
+                box = rrc_box(w, h, rng)
+            elif recipe == "eval":
+                box = center_box(w, h, crop_frac)
+            else:
+                raise ValueError(f"decode_image: unknown recipe {recipe!r}")
+            bw, bh = box[2] - box[0], box[3] - box[1]
+            if im.format == "JPEG" and min(bw, bh) >= 2 * size:
+                # decode at a reduced scale: the crop still covers size x size pixels
+                im.draft(mode, (max(size, int(w * size / bw)), max(size, int(h * size / bh))))
+                sx, sy = im.size[0] / w, im.size[1] / h
+                box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+            im = im.convert(mode) if im.mode != mode else im
+            if recipe == "fixed" and im.size == (size, size):
+                out = im
+            else:
+                out = im.resize((size, size), Image.BILINEAR, box=box if recipe != "fixed" else None)
+            if recipe == "train" and rng.random() < 0.5:
+                out = out.transpose(Image.FLIP_LEFT_RIGHT)
+            a = np.array(out, dtype=np.uint8)      # a copy: writable, and no reference to PIL's buffer
+    except _bad_image() as e:
+        raise DataError(f"{name or src}: unreadable or corrupt image ({e.__class__.__name__})") from None
+    return a[None] if gray else a.transpose(2, 0, 1)
+
+
+def is_gray(srcs, skip_corrupt: bool = False) -> bool:
+    """Every image's mode (read from its header) is a grayscale one (``skip_corrupt``: an
+    unreadable one does not count; else it raises DataError naming it)."""
+    out = True
+    for s in srcs:
+        try:
+            with open_image(s) as im:
+                out = out and im.mode in _GRAY_MODES
+        except DataError:
+            if not skip_corrupt:
+                raise
+    return out
+
+
+class PixelStats:
+    """Per-channel mean and std on the 0..1 scale, from exact integer sums of uint8 pixels:
+    the same numbers whatever the batching or order (in memory or streamed)."""
+
+    def __init__(self):
+        self.n, self.s, self.ss = 0, None, None
+
+    def add(self, x_u8: torch.Tensor) -> None:
+        v = x_u8.to(torch.int64).transpose(0, 1).reshape(x_u8.shape[1], -1)
+        s, ss = v.sum(1), (v * v).sum(1)
+        self.s = s if self.s is None else self.s + s
+        self.ss = ss if self.ss is None else self.ss + ss
+        self.n += v.shape[1]
+
+    def result(self) -> tuple:
+        mean, std = [], []
+        for s, ss in zip(self.s.tolist(), self.ss.tolist()):
+            n = self.n
+            mean.append(s / n / 255.0)
+            var = (ss - Fraction(s * s, n)) / max(n - 1, 1) / (255 * 255)
+            std.append(max(float(var) ** 0.5, 1e-3))
+        return tuple(mean), tuple(std)
+
+
+def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, seed: int = 0) -> Dataset:
+    """Class subfolders of PNG/JPEG images, decoded into memory at ``image_size`` (0: the
+    first image's width), one image at a time (folder_split gives the layout)."""
+    classes, train, test = folder_split(directory, test_frac, seed)
+    gray = is_gray(f for f, _ in train + test)
+    if image_size:
+        size = image_size
+    else:
+        with open_image(train[0][0]) as im:
+            size = im.size[0]
     c_ = 1 if gray else 3
 
-    def stack(part):
-        if not xs[part]:
-            return torch.zeros(0, c_, size, size, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64)
-        return torch.from_numpy(np.stack(xs[part])), torch.tensor(ys[part], dtype=torch.int64)
+    def read(files):
+        x = torch.empty(len(files), c_, size, size, dtype=torch.uint8)
+        for i, (f, _) in enumerate(files):
+            x[i] = torch.from_numpy(decode_image(f, size=size, gray=gray))
+            PROGRESS[0] += 1
+        return x, torch.tensor([y for _, y in files], dtype=torch.int64)
 
-    xtr, ytr = stack(0)
-    xte, yte = stack(1)
-    if len(xte) == 0:
-        raise DataError(f"folder: {d} gives no test images (add test/ or more images per class)")
-    f = xtr.double().div_(255)
-    mean = tuple(float(v) for v in f.mean(dim=(0, 2, 3)))
-    std = tuple(max(float(v), 1e-3) for v in f.std(dim=(0, 2, 3)))
-    return Dataset("folder", xtr, ytr, xte, yte, len(classes), mean, std)
+    xtr, ytr = read(train)
+    xte, yte = read(test)
+    st = PixelStats()
+    for i in range(0, len(xtr), 4096):
+        st.add(xtr[i:i + 4096])
+    return Dataset("folder", xtr, ytr, xte, yte, len(classes), *st.result())
+
+
+# Examples read so far by this process (the watchdog's heartbeat reports it while a rank
+# loads, so that a slow start is told from a stuck one).
+PROGRESS = [0]
 
 
 LOADERS = {"fashion-mnist": lambda c, seed: load_idx_dataset("fashion-mnist", c.dir),
@@ -357,12 +502,18 @@ def _gen(stream: str, *keys: int, device=None) -> torch.Generator:
     if not isinstance(stream, str):
         raise TypeError("_gen: the first argument names the stream")
     g = torch.Generator() if device is None or torch.device(device).type == "cpu" else torch.Generator(device=device)
+    g.manual_seed(seed_of(stream, *keys))
+    return g
+
+
+def seed_of(stream: str, *keys: int) -> int:
+    """The 63-bit seed ``_gen`` gives the named stream and keys (also for a worker's
+    per-example ``random.Random``: streamed augmentation, stream.py)."""
     h = 0x9E3779B97F4A7C15
     for k in (_stream_tag(stream), *keys):
         h = (h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
-    g.manual_seed(h & 0x7FFFFFFFFFFFFFFF)
-    return g
+    return h & 0x7FFFFFFFFFFFFFFF
 
 
 def window_bounds(n_train: int, world: int, frac: float) -> list[tuple[int, int]]:
@@ -429,6 +580,24 @@ class ReplicaSampler:
         b = self._order[self.pos * self.batch_size:(self.pos + 1) * self.batch_size]
         self.pos += 1
         return b
+
+    def advance(self) -> None:
+        """Count one batch as taken without computing it (a streamed feed: its DataLoader
+        took the batch from ``batches_from``; this keeps the position a checkpoint saves)."""
+        if self.pos >= self.nb:
+            self.epoch, self.pos = self.epoch + 1, 0
+        self.pos += 1
+
+    def batches_from(self, epoch: int, pos: int):
+        """The endless stream of ``(epoch, pos, indices)`` from position ``(epoch, pos)``,
+        the batches ``next()`` would give from there, without touching this sampler."""
+        while True:
+            if pos >= self.nb:
+                epoch, pos = epoch + 1, 0
+            order = self.indices[torch.randperm(len(self.indices), generator=_gen("sampler", self.seed, self.rank, epoch))]
+            while pos < self.nb:
+                yield epoch, pos, order[pos * self.batch_size:(pos + 1) * self.batch_size]
+                pos += 1
 
     def __len__(self) -> int:
         return self.nb

@@ -7,6 +7,7 @@ from torch import nn
 
 from . import comm
 from .data import _gen, to_input
+from .stream import eval_batches, train_examples
 
 @torch.no_grad()
 def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype,
@@ -25,26 +26,25 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
     for m in ref.modules():
         if isinstance(m, nn.Dropout):
             m.eval()                 # no dropout, and no draw from the training RNG
-    perm = torch.randperm(len(ds.train_x), generator=_gen("bn", seed, step))
-    for i in range(min(batches, len(perm) // batch_size or 1)):
-        idx = perm[i * batch_size:(i + 1) * batch_size]
-        ref(to_input(ds.train_x[idx].to(dev), ds.mean, ds.std, dtype))
+    perm = torch.randperm(ds.n_train, generator=_gen("bn", seed, step))
+    idx = [perm[i * batch_size:(i + 1) * batch_size] for i in range(min(batches, len(perm) // batch_size or 1))]
+    for x, _ in train_examples(ds, idx):       # in memory, or decoded (the evaluation transform)
+        ref(to_input(x.to(dev), ds.mean, ds.std, dtype))
     for m, mom in saved:
         m.momentum = mom
     ref.eval()
 
 
 @torch.no_grad()
-def _shard_sums(ref: nn.Module, x_all, y_all, ds, rank: int, world: int, batch_size: int, dtype, dev, obj) -> list:
-    """[metric sum, summed loss, count] of the reference on this rank's shard of (x_all,
-    y_all); ``obj`` (targets.Objective) says how a batch is scored."""
-    n = len(x_all)
+def _shard_sums(ref: nn.Module, which: str, n: int, ds, rank: int, world: int, batch_size: int, dtype, dev,
+                obj) -> list:
+    """[metric sum, summed loss, count] of the reference on this rank's shard of the test
+    or validation split (``n`` examples); ``obj`` (targets.Objective) scores a batch."""
     lo, hi = (rank * n) // world, ((rank + 1) * n) // world
     tot = [0.0, 0.0, 0.0]
-    for i in range(lo, hi, batch_size):
-        x = to_input(x_all[i:min(i + batch_size, hi)].to(dev), ds.mean, ds.std, dtype)
-        y = y_all[i:min(i + batch_size, hi)].to(dev)
-        tot = [a + b for a, b in zip(tot, obj.sums(ref(x), y))]
+    for x, y in eval_batches(ds, which, lo, hi, batch_size):
+        out = ref(to_input(x.to(dev), ds.mean, ds.std, dtype))
+        tot = [a + b for a, b in zip(tot, obj.sums(out, y.to(dev)))]
     return tot
 
 
@@ -60,9 +60,11 @@ def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, 
         from .targets import objective
         obj = objective()
     ref.eval()
-    parts = _shard_sums(ref, ds.test_x, ds.test_y, ds, rank, world, batch_size, dtype, dev, obj)
-    if ds.val_x is not None:
-        parts += _shard_sums(ref, ds.val_x, ds.val_y, ds, rank, world, batch_size, dtype, dev, obj)
+    n_test, n_val = (len(ds.test), None if ds.val is None else len(ds.val)) if ds.streamed else \
+        (len(ds.test_x), None if ds.val_x is None else len(ds.val_x))
+    parts = _shard_sums(ref, "test", n_test, ds, rank, world, batch_size, dtype, dev, obj)
+    if n_val is not None:
+        parts += _shard_sums(ref, "val", n_val, ds, rank, world, batch_size, dtype, dev, obj)
     sums = torch.tensor(parts, dtype=torch.float64)
     rows = torch.zeros(world, len(extra), dtype=torch.float64)
     rows[rank] = torch.tensor(extra, dtype=torch.float64)

@@ -62,6 +62,8 @@ def summary(t) -> dict:
             "params": t.n_params, "world_size": t.world, "algo": cfg.algo,
             "engine": comm.engine(), "controller": comm.controller(), "device": str(t.dev),
             "resumed_from": t.resumed_from,
+            "data_streamed": t.ds.streamed, "data_workers": cfg.data.workers if t.ds.streamed else 0,
+            "data_corrupt_skipped": t.feed.skipped,
             "elastic": cfg.dist.elastic, "elastic_events": t.member.events if t.member else [],
             "elastic_commit_seconds": t.member.commit_seconds if t.member else 0.0,
             "config": to_dict(cfg)}

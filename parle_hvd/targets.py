@@ -127,13 +127,28 @@ def _stack(ds, which: str, target: str) -> tuple:
     return x, y
 
 
-def load_user_dataset(target: str, kwargs: dict):
-    """``data.target`` -> our in-memory Dataset (data.py), with no normalisation statistics."""
-    from .data import Dataset
+def user_datasets(target: str, kwargs: dict) -> tuple:
+    """``data.target`` called with ``data.kwargs``: its (train, test[, validation]) datasets."""
     out = _call(load_target(target, "data.target"), target, "data.target", kwargs)
     if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
         raise TargetError(f"data.target: {target} must return (train, test) or (train, test, validation) "
                           f"datasets, got {type(out).__name__}")
+    for d, w in zip(out, ("training", "test", "validation")):
+        try:
+            n = len(d)
+        except TypeError:
+            raise TargetError(f"data.target: the {w} set from {target} is a {type(d).__name__}, not a map-style "
+                              f"torch Dataset (it has no len())") from None
+        if n == 0:
+            raise TargetError(f"data.target: the {w} set from {target} is empty (length 0)")
+    return tuple(out)
+
+
+def load_user_dataset(target: str, kwargs: dict, parts: Optional[tuple] = None):
+    """``data.target`` -> our in-memory Dataset (data.py), with no normalisation statistics.
+    ``parts``: the datasets ``user_datasets`` returned, when already made."""
+    from .data import Dataset
+    out = user_datasets(target, kwargs) if parts is None else parts
     parts = [_stack(d, w, target) for d, w in zip(out, ("training", "test", "validation"))]
     (xtr, ytr), (xte, yte) = parts[0], parts[1]
     xv, yv = parts[2] if len(parts) == 3 else (None, None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from typing import Optional
 
@@ -36,7 +37,8 @@ from .assemble import configure_torch, inference_card, load_data, new_model, pic
     set_rng_state
 from .checkpoint import CheckpointError
 from .config import Config, to_dict
-from .data import ReplicaSampler, augment_batch, common_nb, replica_indices, to_device, to_input, _gen
+from .data import PROGRESS, ReplicaSampler, common_nb, replica_indices, to_device, to_input, _gen
+from .stream import ShardSampler, make_feed, shard_windows
 from .evaluation import evaluate, recompute_bn
 from .exchange import outer_schedule
 from .logger import RunLogger
@@ -46,6 +48,20 @@ from .rundir import RunError, discard_if_empty, resume_point, start_run
 from .watchdog import StopSignal, Watchdog
 
 __all__ = ["Trainer", "train", "RunError", "DivergenceError"]
+
+
+def _inject_slow_load(rank: int) -> None:
+    """Tests: ``PARLE_HVD_INJECT_SLOW_LOAD=<rank>:<seconds>`` makes that rank's loading take
+    that long, counting progress; ``<rank>:hang`` makes it stop counting (a stuck read)."""
+    spec = os.environ.get("PARLE_HVD_INJECT_SLOW_LOAD", "")
+    r, _, what = spec.partition(":")
+    if not spec or int(r) != rank:
+        return
+    if what == "hang":
+        time.sleep(3600)
+    for _ in range(int(float(what) * 10)):
+        time.sleep(0.1)
+        PROGRESS[0] += 1
 
 
 class DivergenceError(RuntimeError):
@@ -61,7 +77,9 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         try:
-            comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=cfg.dist.timeout,
+            # timeout=0: the engines' own timeouts off; the watchdog (dist.timeout) is the one
+            # timeout, since only it tells a rank still loading its data from a lost one
+            comm.init(cfg.dist.backend, set_threads=cfg.dist.threads == 0, timeout=0,
                       engine=cfg.dist.engine, gpu_backend="gloo" if cfg.dist.share_device else "nccl")
         except comm.EngineError as e:
             raise RunError(str(e)) from None
@@ -75,8 +93,7 @@ class Trainer:
         self.created_dir = None      # what rank 0 made for the run directory in this start (removed if the start fails)
         self.log = self.opt = None
         self.built, self.resumed_from, self.ckpt_world, self.t_start = False, None, self.world, time.monotonic()
-        # the loss and metric, and any user target, imported and tried once, before any collective
-        self.obj, self.ds = resolve_objective(cfg)
+        self.obj = self.ds = self.feed = None      # the objective and the data: build()
 
     @property
     def k(self) -> int:
@@ -109,17 +126,39 @@ class Trainer:
         self.dtype = getattr(torch, cfg.model.dtype)
         self.dev = dev = pick_device(cfg.dist.device, cfg.dist.share_device)
         self.replica_id, self.world0 = replica_id, world0
-        # Data: every replica holds the whole dataset in memory (uint8) and its own window/order;
-        # data-parallel SGD gives each rank a disjoint shard (frac = 1/n: data.window_bounds).
-        self.ds = ds = to_device(self.ds if self.ds is not None else load_data(cfg), dev)   # moved once
+        if self.ds is None:
+            # Before the first sync, and maybe long (an in-memory dataset decoded, a streamed
+            # one's file list and statistics): the heartbeat says this rank is loading, so the
+            # ranks waiting for it do not take it for lost. Any user target is imported and
+            # tried here, on every rank alike (a bad one ends every rank with the same line).
+            with self.dog.busy("loading data", lambda: PROGRESS[0]):
+                _inject_slow_load(self.rank)
+                self.obj, self.ds = resolve_objective(cfg, load_data(cfg))
+        # In memory, every replica holds the whole dataset (uint8, on its device, moved once);
+        # streamed, its workers decode its batches. Either way each replica has its own window
+        # and order; data-parallel SGD gives each rank a disjoint shard (frac = 1/n).
+        ds = self.ds if self.ds.streamed else to_device(self.ds, dev)
+        self.ds = ds
         shard = ALGORITHMS[cfg.algo].shard_data and world0 > 1
         split, frac = ("frac", 1.0 / world0) if shard else (cfg.data.split, cfg.data.frac)
-        idx = replica_indices(len(ds.train_x), rank=replica_id, world=world0, split=split, frac=frac, seed=cfg.train.seed)
-        # the same number of batches per pass on every replica, whatever its window's size
-        nb = common_nb(len(ds.train_x), world=world0, split=split, frac=frac, batch_size=cfg.train.batch_size)
-        self.sampler = ReplicaSampler(idx, cfg.train.batch_size, seed=cfg.train.seed, rank=replica_id, nb=nb,
-                                      device=ds.train_x.device)
+        B, seed = cfg.train.batch_size, cfg.train.seed
+        if ds.streamed and ds.train.kind == "shards":    # windows of whole shards, read in order
+            per_shard, windows = shard_windows(ds, world=world0, split=split, frac=frac, seed=seed)
+            nb = min(sum(len(per_shard[s]) for s in w) for w in windows) // B
+            self.sampler = ShardSampler(per_shard, windows[replica_id % world0], B, seed=seed, rank=replica_id, nb=nb,
+                                        group=ds.shuffle_shards)
+        else:
+            idx = replica_indices(ds.n_train, rank=replica_id, world=world0, split=split, frac=frac, seed=seed)
+            # the same number of batches per pass on every replica, whatever its window's size
+            nb = common_nb(ds.n_train, world=world0, split=split, frac=frac, batch_size=B)
+            self.sampler = ReplicaSampler(idx, B, seed=seed, rank=replica_id, nb=nb,
+                                          device=None if ds.streamed else ds.train_x.device)
         self.nb = nb = self.sampler.nb
+        self.aug_gen = _gen("augment", seed, replica_id, device=dev)
+        if self.feed is not None:
+            self.feed.close()
+        self.feed = make_feed(ds, self.sampler, augment=cfg.data.augment, aug_gen=self.aug_gen, dev=dev,
+                              replica=replica_id, seed=seed)
         # Replica: independent initialisation (seed + replica) unless asked to start from rank 0's.
         seed_replica(cfg.train.seed + replica_id)
         self.model = new_model(cfg, ds).to(device=dev, dtype=self.dtype)
@@ -133,7 +172,6 @@ class Trainer:
         self.K = max(1, math.ceil(cfg.train.epochs * nb / L))
         self.eval_every_steps = max(1, round(cfg.eval.every * nb / L))
         self.log_every_steps = max(1, math.ceil(cfg.run.log_every / L))
-        self.aug_gen = _gen("augment", cfg.train.seed, replica_id, device=dev)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         # State carried across outer steps (and checkpoints), beside the optimizer's.
         self.wall_before, self.evals, self.samples = 0.0, 0, 0
@@ -202,6 +240,9 @@ class Trainer:
                      f"{', elastic' if self.member else ''}, {self.dev}], {self.K} outer steps of {self.L} inner "
                      f"steps, {self.nb} batches/pass, run dir {self.run_dir}")
             log.info(f"versions {header['versions']} git {header['git_sha'][:12]}")
+            if self.ds.streamed:
+                log.info(f"data: {self.ds.name} streamed, {self.ds.n_train} training examples, {cfg.data.workers} "
+                         f"worker(s) per rank, input {list(self.ds.shape)}")
             log.text("run", json.dumps(header, indent=2))
         if resume_step is None:
             opt.start()                 # the first reference and rank 0's first plans: all ranks reach this
@@ -254,6 +295,7 @@ class Trainer:
         self.model.load_state_dict(st["model"])
         self.opt.load_state_dict({"ref_n": st.get("world", self.world), **st})
         self.sampler.load_state_dict(st["sampler"])
+        self.feed.reset()                # streamed: the workers restart at the loaded position
         self.aug_gen.set_state(st["aug_gen"])
         set_rng_state(st, self.dev)
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
@@ -285,10 +327,9 @@ class Trainer:
         for k in range(self.k + 1, K + 1):
             plan = opt.next_plan()                      # rank 0's, received in an earlier sync
             for _ in range(plan.steps[self.rank]):      # L, or this replica's share (parle.balance)
-                b = self.sampler.next()
-                xb = augment_batch(ds.train_x[b], self.aug_gen) if cfg.data.augment else ds.train_x[b]
-                out = opt.module(to_input(xb.to(self.dev, non_blocking=True), ds.mean, ds.std, self.dtype))
-                loss = self.obj.loss(out, ds.train_y[b].to(self.dev, non_blocking=True))
+                xb, yb = self.feed.next()               # this replica's next batch, on its device
+                out = opt.module(to_input(xb, ds.mean, ds.std, self.dtype))
+                loss = self.obj.loss(out, yb)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step(loss=loss)                     # the last one: outer update, sync (all ranks reach this)
@@ -374,12 +415,14 @@ class Trainer:
         self.model.train()
 
     def _stopped(self, k: int) -> dict:
+        self.feed.close()
         self.log.info(f"stopped after outer step {k} on a signal to rank(s) {sorted(self.stop_ranks)}; checkpoint written; "
                       f"resume with run.resume=true run.dir={self.run_dir}")
         self.log.close()
         return {"stopped_at": k, "run_dir": str(self.run_dir)}
 
     def finish(self) -> dict:
+        self.feed.close()
         cfg, log, opt, cs, m = self.cfg, self.log, self.opt, comm.stats(), self.obj.metric
         summary = report.summary(self)
         wall = summary["wall_seconds"]

@@ -9,6 +9,11 @@
 * Heartbeats: each rank rewrites ``<run.dir>/.heartbeat/rank-<r>`` as it enters each
   collective (how many it has entered, which, at which outer step). A rank that has entered
   fewer collectives than the waiting one is the silent one; the watchdog names it.
+* Busy ranks: a rank doing long work between collectives (loading its data before the
+  first sync) says so in ``busy(...)``: a thread rewrites its heartbeat every few seconds
+  with a progress count (examples read). A rank waiting for it goes on waiting while that
+  count moves; only a busy rank whose count has not moved for ``dist.timeout`` seconds, or
+  whose heartbeat stopped, is named.
 Nothing here imports Horovod.
 """
 from __future__ import annotations
@@ -53,6 +58,10 @@ class Watchdog:
         self._since: Optional[float] = None
         self._what = ("", 0)
         self._n = 0           # collectives entered
+        self._busy: Optional[str] = None
+        self._alive = 0.0       # when a busy rank we wait for was last seen making progress
+        self._progress: Callable[[], int] = lambda: 0
+        self._moved: dict = {}  # rank -> (its last progress count seen, when it was first seen)
         if timeout > 0 and world > 1:
             threading.Thread(target=self._run, name="parle-watchdog", daemon=True).start()
 
@@ -72,8 +81,10 @@ class Watchdog:
             return
         p = self.hb_dir / f"rank-{self.rank}"
         tmp = p.with_name(f".rank-{self.rank}.tmp")
+        what = f"busy:{self._busy}" if self._busy else (self._what[0] or "none")   # never empty: fields split on spaces
         try:
-            tmp.write_text(f"{self._n} {self._what[1]} {self._what[0].replace(' ', '_')} {time.time():.3f}\n")
+            tmp.write_text(f"{self._n} {self._what[1]} {what.replace(' ', '_')} {time.time():.3f} "
+                           f"{int(self._progress())}\n")
             os.replace(tmp, p)
         except OSError:
             pass
@@ -89,33 +100,86 @@ class Watchdog:
         finally:
             self._since = None
 
+    BUSY_EVERY = 2.0          # seconds between a busy rank's heartbeats
+
+    @contextmanager
+    def busy(self, what: str, progress: Callable[[], int]):
+        """Long work outside any collective (``what``: "loading data"); ``progress()`` counts
+        what is done. Heartbeats every BUSY_EVERY seconds until the block ends."""
+        self._busy, self._progress = what, progress
+        done = threading.Event()
+
+        def beat():
+            while not done.is_set():
+                self._write()
+                done.wait(self.BUSY_EVERY)
+        t = threading.Thread(target=beat, name="parle-busy", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+            self._busy = None
+            self._write()
+
+    def _read(self, r: int) -> tuple:
+        """(collectives entered, outer step, what, heartbeat time, progress) of rank r."""
+        try:
+            f = (self.hb_dir / f"rank-{r}").read_text().split()
+            return int(f[0]), int(f[1]), f[2].replace("_", " "), float(f[3]), int(f[4]) if len(f) > 4 else 0
+        except (OSError, ValueError, IndexError):
+            return 0, -1, "none", 0.0, 0
+
     def behind(self) -> list:
-        """(rank, outer step, collective) of every rank that has entered fewer collectives than this one."""
+        """(rank, outer step, collective) of every rank that has entered fewer collectives than
+        this one and is not busy making progress (a rank loading its data is late, not lost)."""
         if not self.hb_dir:
             return []
-        out = []
+        out, now = [], time.monotonic()
         for r in range(self.world):
             if r == self.rank:
                 continue
-            try:
-                n, step, what = (self.hb_dir / f"rank-{r}").read_text().split()[:3]
-                n, step = int(n), int(step)
-            except (OSError, ValueError):
-                n, step, what = 0, -1, "none"
-            if n < self._n:
-                out.append((r, step, what.replace("_", " ")))
+            n, step, what, t, prog = self._read(r)
+            if n >= self._n:
+                continue
+            if what.startswith("busy:"):
+                last = self._moved.get(r)
+                if last is None or last[0] != prog:
+                    self._moved[r] = last = (prog, now)
+                fresh = time.time() - t < max(5 * self.BUSY_EVERY, self.timeout)
+                if fresh and now - last[1] < self.timeout:
+                    continue          # still at it: wait on
+                what = f"{what[5:]}, {prog} examples, no progress for {now - last[1]:.0f} s"
+            out.append((r, step, what))
         return out
+
+    def waiting_on_busy(self) -> bool:
+        """Whether every rank behind this one is busy and making progress."""
+        if not self.hb_dir:
+            return False
+        return any(self._read(r)[2].startswith("busy:") for r in range(self.world) if r != self.rank) \
+            and not self.behind()
 
     def _run(self) -> None:
         while True:
             time.sleep(0.5)
             since = self._since
-            if since is None or time.monotonic() - since < self.timeout:
+            now = time.monotonic()
+            if since is None or now - since < self.timeout:
+                continue
+            if self.waiting_on_busy():
+                # a rank still loading, and moving: not a hang; once it is done it has a
+                # whole dist.timeout to reach this collective
+                self._alive = now
+                continue
+            if now - self._alive < self.timeout:
                 continue
             what, step = self._what
             late = self.behind()
             if late:
-                who = "; ".join(f"rank {r} stopped answering (its last collective: {w} at outer step {s})"
+                who = "; ".join(f"rank {r} stopped answering (still {w})" if "no progress" in w else
+                                f"rank {r} stopped answering (its last collective: {w} at outer step {s})"
                                 if s >= 0 else f"rank {r} stopped answering (no heartbeat)" for r, s, w in late)
             else:
                 who = "every rank reached it; the network or a rank's process is stuck"

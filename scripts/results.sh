@@ -27,6 +27,7 @@ run compare "$PY" -m parle_hvd.compare --config configs/fashion_parle.yaml \
     train.epochs="$PASSES" eval.every=0.5 "optim.milestones=[$m1,$m2]" dist.threads=1
 run time_to_accuracy "$PY" -m bench.time_to_accuracy --passes "$PASSES" --rate 100mbit --reuse reports/fashion_compare/runs
 run split_data "$PY" -m bench.split_data --passes "$PASSES"
+"$PY" -m bench.data_scale --folder-check --md "$out/data_scale.md" --json "$out/data_scale.json"
 cp reports/fashion_compare/*.png reports/fashion_compare/report.md "$out/"
 "$PY" scripts/write_results.py "$out" docs/RESULTS.md
 echo "wrote docs/RESULTS.md"

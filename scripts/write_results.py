@@ -201,4 +201,8 @@ if rq5.is_file():
     out += [l.replace("## RQ5 heterogeneous systems: ", "## RQ5 (issue 13): ", 1) for l in rq5.read_text().splitlines()]
     out += ["The same section, with its verdict, is RQ5 in [CLAIMS.md](CLAIMS.md).", ""]
 
+ds = src / "data_scale.md"              # written by python -m bench.data_scale --md
+if ds.is_file():
+    out += ds.read_text().splitlines()
+
 dst.write_text("\n".join(out) + "\n")

@@ -100,7 +100,8 @@ def test_own_model_loss_and_dataset_train_on_two_ranks_through_train_py_and_comp
     net.load_state_dict(torch.load(run / "final.pt", weights_only=True))
     card = json.loads((run / "final.json").read_text())
     assert card["model"] == {"name": "", "target": "usermods.nets:make_mlp", "kwargs": {"hidden": 32}, "dtype": "float32"}
-    assert card["input"] == {"shape": [8], "dtype": "float32", "mean": None, "std": None} and card["metric"] == "top2"
+    assert card["input"] == {"shape": [8], "dtype": "float32", "mean": None, "std": None, "resize": None,
+                             "crop_frac": None} and card["metric"] == "top2"
     from parle_hvd.targets import load_user_dataset
     ds = load_user_dataset("tests/user_code/data.py:make", {})
     acc = float((net(ds.test_x).argmax(1) == ds.test_y).float().mean())

@@ -129,7 +129,8 @@ def test_run_outputs_and_single_rank_counters(tmp_path):
         assert torch.load(f, weights_only=True)["step"] in (2, 4)
     card = json.loads((tmp_path / "final.json").read_text())
     ds = load_dataset("fashion-mnist", str(FASHION))
-    assert card["input"] == {"shape": [1, 28, 28], "dtype": "uint8", "mean": list(ds.mean), "std": list(ds.std)}
+    assert card["input"] == {"shape": [1, 28, 28], "dtype": "uint8", "mean": list(ds.mean), "std": list(ds.std),
+                             "resize": None, "crop_frac": None}
     assert card["model"]["name"] == "lenet" and card["num_classes"] == 10 and card["config"] == summ["config"]
     net = build_model("lenet", num_classes=10, in_channels=1, image_size=28)
     net.load_state_dict(torch.load(tmp_path / "final.pt", weights_only=True))
@@ -180,7 +181,7 @@ def test_recompute_bn_is_the_cumulative_mean_and_variance_of_the_chosen_batches(
     from parle_hvd.evaluation import recompute_bn
     g = torch.Generator().manual_seed(0)
     ds = SimpleNamespace(train_x=torch.randint(0, 256, (200, 2, 5, 5), generator=g, dtype=torch.uint8),
-                         mean=(0.4, 0.5), std=(0.2, 0.3))
+                         train_y=torch.zeros(200, dtype=torch.int64), n_train=200, mean=(0.4, 0.5), std=(0.2, 0.3))
     torch.manual_seed(1)
     replica = nn.Sequential(nn.Dropout(0.5), nn.BatchNorm2d(2, momentum=0.3), nn.Flatten(), nn.Linear(50, 3))
     replica[1].running_mean.fill_(7.0)

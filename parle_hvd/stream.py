@@ -1,0 +1,538 @@
+"""Streamed data: examples decoded in DataLoader worker processes, a bounded memory per
+rank whatever the size of the dataset.
+
+    python train.py --config ... data.name=folder data.dir=/data/imagenet data.image_size=224 \
+        data.augment=imagenet data.workers=8 model.name=resnet18
+    python train.py --config ... data.name=shards data.dir=/data/imagenet-shards data.workers=8
+    python train.py --config ... data.target=mypkg.data:make data.stream=true data.workers=4
+
+``data.stream=auto`` streams when the decoded training set would exceed
+``data.memory_limit`` GiB per rank, for tar shards, and for the ImageNet recipe (which
+crops the original image, so nothing decoded can be kept); the in-memory path (data.py)
+stays for the datasets that fit. What a rank holds is the list of its examples (a path,
+or a shard's offset, and a label, per example), the workers' prefetched batches, and for
+shards ``data.shuffle_shards`` shards' bytes at a time.
+
+The sampling guarantees are those of the in-memory path, because the order is made by the
+same samplers in the main process: the DataLoader only decodes (``batch_sampler`` is the
+replica's stream of index batches). Each Parle replica has its own order; dpsgd's ranks get
+disjoint windows (of examples, or of shards); everything is fixed by ``train.seed``. A
+streamed folder without the ImageNet recipe gives the same batches, to the bit, as the
+same folder held in memory (the same decoder, ``data.decode_image``).
+
+Exact resume: the checkpoint holds the sampler's position (batches taken by the trainer,
+not those prefetched) and the augmentation stream's state; a streamed example's random
+crop is drawn from a ``random.Random`` seeded by (seed, replica, pass, position in the
+pass), so it does not depend on which worker decodes it, nor on how many there are, nor
+on a restart. A resumed run restarts its workers at the saved position.
+
+Tar shards (shards.py): pass ``e`` of replica ``a`` visits its window of shards in the order
+``randperm(seed, a, e)``, ``data.shuffle_shards`` shards at a time; the examples of such a
+group come in one random order, and the batches are cut from the pass's sequence. A shard
+is read whole, sequentially, in the main process (a thread reads the next group ahead), and
+the workers decode its bytes.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import data as D
+from .data import DataError, augment_batch, decode_image, seed_of
+
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------- tables of examples
+@dataclass
+class Table:
+    """The examples of one split, none of them decoded: ``files`` (a path each), ``shards``
+    (shard number, offset, size: one image's bytes in a tar), or ``target`` (an index into
+    the user's Dataset)."""
+    kind: str
+    refs: list
+    labels: Optional[torch.Tensor]
+    shards: list = field(default_factory=list)
+    ds: object = None
+    names: Optional[list] = None
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def subset(self, idx) -> "Table":
+        idx = [int(i) for i in idx]
+        return Table(self.kind, [self.refs[i] for i in idx], None if self.labels is None else self.labels[idx],
+                     self.shards, self.ds, None if self.names is None else [self.names[i] for i in idx])
+
+    def name(self, i: int) -> str:
+        if self.kind == "files":
+            return self.refs[i]
+        if self.kind == "shards":
+            s, off, _ = self.refs[i]
+            return f"{self.shards[s]}:{self.names[i] if self.names else off}"
+        return f"example {self.refs[i]}"
+
+    def read(self, i: int):
+        """An image's source: its path, or its bytes read from the shard."""
+        if self.kind == "files":
+            return self.refs[i]
+        s, off, size = self.refs[i]
+        try:
+            with open(self.shards[s], "rb") as f:
+                f.seek(off)
+                b = f.read(size)
+        except OSError as e:
+            raise DataError(f"{self.shards[s]}: cannot read ({e.strerror or e})") from None
+        if len(b) != size:
+            raise DataError(f"{self.name(i)}: truncated shard (wanted {size} bytes at offset {off})")
+        return b
+
+
+@dataclass
+class StreamedData:
+    """What the trainer needs of a streamed dataset; the in-memory ``data.Dataset``'s
+    counterpart (``streamed`` tells them apart)."""
+    name: str
+    train: Table
+    test: Table
+    val: Optional[Table]
+    num_classes: int
+    mean: Optional[tuple]
+    std: Optional[tuple]
+    shape: tuple
+    input_dtype: str = "uint8"
+    recipe: str = "fixed"          # fixed (squash to size) or imagenet (random-resized crop / center crop)
+    size: int = 0
+    gray: bool = False
+    crop_frac: float = 0.875
+    workers: int = 0
+    prefetch: int = 2
+    pin: bool = False
+    context: str = "fork"
+    skip_corrupt: bool = False
+    shuffle_shards: int = 4
+    streamed = True
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train)
+
+    @property
+    def train_y(self):
+        return self.train.labels
+
+
+# --------------------------------------------------------------------------- decoding (in the workers)
+class Decoder(torch.utils.data.Dataset):
+    """Decodes a batch of ``(index, seed, bytes or None)`` items of ``table`` into
+    ``{"x": uint8 [B, C, H, W] (or the user's inputs), "y": [B], "skipped": [...],
+    "error": None or one line}``. A worker never raises: an error travels as a line, which
+    the main process raises as a DataError (one line, not a worker's traceback)."""
+
+    def __init__(self, d: StreamedData, table: Table, mode: str):
+        self.d, self.t, self.mode = d, table, mode
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def _image(self, i: int, seed: int, blob):
+        d = self.d
+        recipe = "fixed" if d.recipe == "fixed" else self.mode
+        rng = random.Random(seed) if recipe == "train" else None
+        return torch.from_numpy(decode_image(self.t.read(i) if blob is None else blob, size=d.size, gray=d.gray,
+                                             recipe=recipe, rng=rng, crop_frac=d.crop_frac, name=self.t.name(i)))
+
+    def _one(self, i: int, seed: int, blob, skipped: list):
+        if self.t.kind == "target":
+            try:
+                x, y = self.t.ds[self.t.refs[i]]
+            except Exception as e:       # the user's __getitem__: one line naming it
+                raise DataError(f"data.target: reading example {self.t.refs[i]} raised {type(e).__name__}: {e}") from None
+            return torch.as_tensor(x), torch.as_tensor(y)
+        n = len(self.t)
+        for tried in range(n):
+            j = (i + tried) % n          # a corrupt image's place goes to the next readable one
+            try:
+                return self._image(j, seed, blob if tried == 0 else None), self.t.labels[j]
+            except DataError as e:
+                if not self.d.skip_corrupt:
+                    raise
+                skipped.append(str(e))
+        raise DataError(f"data.skip_corrupt: every one of the {n} images is unreadable")
+
+    def __getitems__(self, items: list) -> dict:
+        skipped: list = []
+        try:
+            xs, ys = zip(*(self._one(*it, skipped) for it in items))
+            return {"x": torch.stack(xs), "y": torch.stack(ys), "skipped": skipped, "error": None}
+        except DataError as e:
+            return {"x": None, "y": None, "skipped": skipped, "error": str(e)}
+        except RuntimeError as e:        # torch.stack of examples of different shapes
+            return {"x": None, "y": None, "skipped": skipped,
+                    "error": f"data: examples of one batch differ in shape ({e})"}
+
+
+def _identity(batch):
+    return batch
+
+
+def _worker_init(_: int) -> None:
+    """A worker leaves SIGTERM and SIGINT to its rank: the rank stops after its outer step
+    with a checkpoint (watchdog.StopSignal), then ends its workers; a worker that died of
+    the signal first would fail the rank's next batch instead."""
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Batches:
+    """A ``batch_sampler`` made from a generator function (DataLoader calls ``iter`` on it)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __iter__(self):
+        return self.fn()
+
+
+def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.data.DataLoader:
+    """A DataLoader decoding ``batches`` (an iterable of item lists) of ``table``.
+    ``generator``: its own, so that starting workers draws nothing from the global stream
+    (the replica's dropout and Langevin noise draw from it)."""
+    kw = dict(num_workers=d.workers, collate_fn=_identity, pin_memory=d.pin, generator=torch.Generator())
+    if d.workers:
+        kw.update(prefetch_factor=d.prefetch, multiprocessing_context=d.context, worker_init_fn=_worker_init)
+    return torch.utils.data.DataLoader(Decoder(d, table, mode), batch_sampler=batches, **kw)
+
+
+_WARNED: set = set()
+
+
+def _check(batch: dict, where: str) -> dict:
+    """A worker's error raised here, as one line; a skipped file warned about once per process
+    (the feed counts every skip: summary.json's data_corrupt_skipped)."""
+    if batch["error"] is not None:
+        raise DataError(batch["error"])
+    for msg in batch["skipped"]:
+        if msg not in _WARNED:
+            _WARNED.add(msg)
+            print(f"warning: data.skip_corrupt: {msg}; replaced by the next readable image ({where})",
+                  file=sys.stderr, flush=True)
+    return batch
+
+
+def eval_batches(ds, which: str, lo: int, hi: int, batch_size: int):
+    """``(x, y)`` batches of examples ``lo:hi`` of the test or validation split (in memory
+    or streamed: the same tensors)."""
+    if not getattr(ds, "streamed", False):
+        x_all, y_all = (ds.test_x, ds.test_y) if which == "test" else (ds.val_x, ds.val_y)
+        for i in range(lo, hi, batch_size):
+            yield x_all[i:min(i + batch_size, hi)], y_all[i:min(i + batch_size, hi)]
+        return
+    table = ds.test if which == "test" else ds.val
+    spans = [[(i, 0, None) for i in range(a, min(a + batch_size, hi))] for a in range(lo, hi, batch_size)]
+    for b in loader(ds, table, "eval", spans):
+        b = _check(b, which)
+        yield b["x"], b["y"]
+
+
+def train_examples(ds, batches: list):
+    """Un-augmented training examples at the given index batches (BatchNorm re-estimation,
+    a target's trial): in memory, or decoded with the evaluation transform."""
+    if not getattr(ds, "streamed", False):
+        for idx in batches:
+            yield ds.train_x[idx], ds.train_y[idx]
+        return
+    for b in loader(ds, ds.train, "eval", [[(int(i), 0, None) for i in idx] for idx in batches]):
+        b = _check(b, "train")
+        yield b["x"], b["y"]
+
+
+# --------------------------------------------------------------------------- shards' order
+class ShardSampler:
+    """A replica's stream of batches over tar shards. Pass ``e``: the window's shards in the
+    order ``randperm(seed, replica, e)``, taken ``group`` at a time; a group's examples in
+    one random order; ``nb`` batches of ``batch_size`` cut from the pass's sequence (the
+    rest dropped, as ReplicaSampler drops a partial batch). State is ``(pass, position)``."""
+
+    def __init__(self, per_shard: dict, window: list, batch_size: int, *, seed: int, rank: int, nb: int, group: int):
+        self.per_shard, self.window = per_shard, [int(s) for s in window]
+        self.batch_size, self.seed, self.rank, self.group = batch_size, seed, rank, max(1, group)
+        total = sum(len(per_shard[s]) for s in self.window)
+        if batch_size > total or nb == 0:
+            raise DataError(f"train.batch_size {batch_size} is larger than a replica's data ({total} examples "
+                            f"in {len(self.window)} shards)")
+        self.nb = min(nb, total // batch_size)
+        self.epoch, self.pos = 0, 0
+
+    def plan(self, epoch: int) -> tuple:
+        """``(groups, order)``: the pass's groups of shard numbers, and its sequence of
+        example indices with, beside it, the group each example comes from."""
+        perm = torch.randperm(len(self.window), generator=D._gen("shard-order", self.seed, self.rank, epoch)).tolist()
+        shards = [self.window[i] for i in perm]
+        groups = [shards[i:i + self.group] for i in range(0, len(shards), self.group)]
+        order, gid = [], []
+        for g, members in enumerate(groups):
+            ex = torch.cat([self.per_shard[s] for s in members])
+            ex = ex[torch.randperm(len(ex), generator=D._gen("shard-mix", self.seed, self.rank, epoch, g))]
+            order.append(ex)
+            gid.append(torch.full((len(ex),), g, dtype=torch.int64))
+        return groups, torch.cat(order), torch.cat(gid)
+
+    def batches_from(self, epoch: int, pos: int):
+        """``(epoch, pos, indices, groups, group of each)`` from position ``(epoch, pos)``."""
+        B = self.batch_size
+        while True:
+            if pos >= self.nb:
+                epoch, pos = epoch + 1, 0
+            groups, order, gid = self.plan(epoch)
+            while pos < self.nb:
+                sl = slice(pos * B, (pos + 1) * B)
+                yield epoch, pos, order[sl], groups, gid[sl]
+                pos += 1
+
+    def advance(self) -> None:
+        if self.pos >= self.nb:
+            self.epoch, self.pos = self.epoch + 1, 0
+        self.pos += 1
+
+    def __len__(self) -> int:
+        return self.nb
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
+
+
+def shard_windows(d: StreamedData, *, world: int, split: str, frac: float, seed: int) -> tuple:
+    """Every replica's window of training shards (the in-memory path's windows, over
+    shards: ``frac = 1/n`` gives disjoint sets of shards), the examples of each shard,
+    and the batches per pass common to every replica."""
+    t = d.train
+    per_shard: dict = {}
+    for i, (s, _, _) in enumerate(t.refs):
+        per_shard.setdefault(s, []).append(i)
+    per_shard = {s: torch.tensor(v, dtype=torch.int64) for s, v in per_shard.items()}
+    ids = torch.tensor(sorted(per_shard))
+    if split != "full" and len(ids) < world:
+        raise DataError(f"data.dir: {len(ids)} training shard(s) for {world} disjoint windows; write more, "
+                        f"smaller shards (python -m parle_hvd.shards write ... --per-shard N)")
+    windows = [ids[D.replica_indices(len(ids), rank=r, world=world, split=split, frac=frac, seed=seed)].tolist()
+               for r in range(world)]
+    return per_shard, windows
+
+
+# --------------------------------------------------------------------------- the training feed
+class MemoryFeed:
+    """In memory: the sampler's batch, indexed where the data lives, pad-crop/flip applied
+    to the whole batch (``data.augment=crop``)."""
+
+    def __init__(self, ds, sampler, *, augment: str, aug_gen):
+        self.ds, self.sampler, self.augment, self.aug_gen = ds, sampler, augment, aug_gen
+        self.skipped = 0
+
+    def next(self) -> tuple:
+        b = self.sampler.next()
+        x = self.ds.train_x[b]
+        return (augment_batch(x, self.aug_gen) if self.augment == "crop" else x), self.ds.train_y[b]
+
+    def reset(self) -> None:
+        pass
+
+    close = reset
+
+
+class StreamFeed:
+    """Streamed: a DataLoader over the sampler's batches from its position. The trainer's
+    ``next()`` advances the sampler; the workers may have decoded further ahead, but a
+    checkpoint saves the position taken, so a resume restarts the workers there."""
+
+    def __init__(self, ds: StreamedData, sampler, *, augment: str, aug_gen, dev, replica: int, seed: int):
+        self.ds, self.sampler, self.augment, self.aug_gen, self.dev = ds, sampler, augment, aug_gen, dev
+        self.replica, self.seed = replica, seed
+        self._it = None
+        self.skipped = 0
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def _items(self, epoch: int, pos: int):
+        B, tag = self.sampler.batch_size, ("rrc", self.seed, self.replica)
+        if isinstance(self.sampler, ShardSampler):
+            yield from self._shard_items(epoch, pos)
+            return
+        for e, p, idx in self.sampler.batches_from(epoch, pos):
+            yield [(int(i), seed_of(*tag, e, p * B + j), None) for j, i in enumerate(idx.tolist())]
+
+    def _read_group(self, members: list) -> dict:
+        out = {}
+        for s in members:
+            try:
+                out[s] = Path(self.ds.train.shards[s]).read_bytes()
+            except OSError as e:
+                raise DataError(f"{self.ds.train.shards[s]}: cannot read ({e.strerror or e})") from None
+        return out
+
+    def _shard_items(self, epoch: int, pos: int):
+        """Batches with each example's bytes, sliced from whole shards read in order; the next
+        group is read by a thread while this one is served."""
+        B, t = self.sampler.batch_size, self.ds.train
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="parle-shards")
+        cache, ahead, key = {}, {}, None
+        for e, p, idx, groups, gid in self.sampler.batches_from(epoch, pos):
+            if key != e:                  # a new pass: a new plan, nothing of the old one kept
+                cache, ahead, key = {}, {}, e
+            need = sorted(set(gid.tolist()))
+            for g in list(cache):
+                if g < need[0]:
+                    del cache[g]
+            for g in need:
+                if g not in cache:
+                    cache[g] = (ahead.pop(g) if g in ahead else self._pool.submit(self._read_group, groups[g])).result()
+            nxt = need[-1] + 1
+            if nxt < len(groups) and nxt not in ahead and nxt not in cache:
+                ahead[nxt] = self._pool.submit(self._read_group, groups[nxt])
+            items = []
+            for j, (i, g) in enumerate(zip(idx.tolist(), gid.tolist())):
+                s, off, size = t.refs[i]
+                items.append((i, seed_of("rrc", self.seed, self.replica, e, p * B + j),
+                              cache[g][s][off:off + size]))
+            yield items
+
+    def next(self) -> tuple:
+        if self._it is None:
+            e, p = self.sampler.epoch, self.sampler.pos
+            self._it = iter(loader(self.ds, self.ds.train, "train", _Batches(lambda: self._items(e, p))))
+        b = _check(next(self._it), f"replica {self.replica}")
+        self.sampler.advance()
+        self.skipped += len(b["skipped"])
+        x = b["x"].to(self.dev, non_blocking=True)
+        if self.augment == "crop":
+            x = augment_batch(x, self.aug_gen)
+        return x, b["y"].to(self.dev, non_blocking=True)
+
+    def reset(self) -> None:
+        """Forget the workers' prefetched batches (after the sampler's state was loaded):
+        the next batch restarts them at the sampler's position."""
+        self._it = None
+
+    def close(self) -> None:
+        self._it = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def make_feed(ds, sampler, *, augment: str, aug_gen, dev, replica: int, seed: int):
+    if getattr(ds, "streamed", False):
+        return StreamFeed(ds, sampler, augment=augment, aug_gen=aug_gen, dev=dev, replica=replica, seed=seed)
+    return MemoryFeed(ds, sampler, augment=augment, aug_gen=aug_gen)
+
+
+# --------------------------------------------------------------------------- opening a streamed dataset
+def _hold_out(t: Table, frac: float, seed: int) -> tuple:
+    """data.hold_out's stratified split, over a table's labels (nothing decoded)."""
+    val, keep = [], []
+    for c in torch.unique(t.labels).tolist():
+        idx = (t.labels == c).nonzero(as_tuple=True)[0]
+        idx = idx[torch.randperm(len(idx), generator=D._gen("val-split", seed, c))]
+        n_val = int(round(frac * len(idx)))
+        val.append(idx[:n_val])
+        keep.append(idx[n_val:])
+    val_i, keep_i = torch.cat(val).sort().values, torch.cat(keep).sort().values
+    if len(val_i) == 0 or len(keep_i) == 0:
+        raise DataError(f"data.val_frac {frac}: leaves an empty validation or training set ({len(t)} training examples)")
+    return t.subset(keep_i.tolist()), t.subset(val_i.tolist())
+
+
+def _image_tables(c, seed: int) -> tuple:
+    from . import shards
+    if c.name == "shards":
+        classes, (trf, trr), (tef, ter) = shards.read_shards(c.dir)
+        mk = lambda files, rows: Table("shards", [(r[0], r[2], r[3]) for r in rows],
+                                       torch.tensor([r[4] for r in rows], dtype=torch.int64), files,
+                                       names=[r[1] for r in rows])
+        return classes, mk(trf, trr), mk(tef, ter)
+    classes, train, test = D.folder_split(c.dir, c.test_frac, seed)
+    mk = lambda rows: Table("files", [f for f, _ in rows], torch.tensor([y for _, y in rows], dtype=torch.int64))
+    return classes, mk(train), mk(test)
+
+
+def _options(c) -> dict:
+    return dict(workers=c.workers, prefetch=c.prefetch, pin=c.pin_memory and torch.cuda.is_available(),
+                context=c.worker_start, skip_corrupt=c.skip_corrupt, shuffle_shards=c.shuffle_shards,
+                crop_frac=c.crop_frac)
+
+
+def image_size_of(t: Table, c) -> int:
+    if c.image_size:
+        return c.image_size
+    with D.open_image(t.read(0), t.name(0)) as im:
+        return im.size[0]
+
+
+def open_images(c, seed: int) -> StreamedData:
+    """A streamed image folder or set of shards: the tables of examples, and the
+    normalisation statistics (and gray or colour) from a fixed sample of ``data.stats_sample``
+    training images (all of them when there are fewer: then the same numbers as in memory)."""
+    classes, tr, te = _image_tables(c, seed)
+    recipe = "imagenet" if c.augment == "imagenet" else "fixed"
+    size = image_size_of(tr, c)
+    k = min(c.stats_sample, len(tr))
+    sample = torch.randperm(len(tr), generator=D._gen("stats", seed))[:k].sort().values.tolist()
+    gray = D.is_gray((tr.read(i) for i in sample), c.skip_corrupt)     # if every sampled image is (in memory: every image)
+    d = StreamedData(c.name, tr, te, None, len(classes), None, None, (1 if gray else 3, size, size),
+                     recipe=recipe, size=size, gray=gray, **_options(c))
+    st = D.PixelStats()
+    for x, _ in train_examples(d, [sample[i:i + 256] for i in range(0, k, 256)]):
+        st.add(x)
+        D.PROGRESS[0] += len(x)
+    d.mean, d.std = st.result()
+    return d
+
+
+def open_target(c, parts: tuple) -> StreamedData:
+    """``data.target``'s datasets (``parts``), read one example at a time in the workers.
+    The number of classes is the training set's ``classes`` (torchvision's convention) or
+    ``num_classes``, if it has one: counting the labels would read every example."""
+    tables = [Table("target", list(range(len(p))), None, ds=p) for p in parts]
+    try:
+        x = torch.as_tensor(parts[0][0][0])
+    except Exception as e:
+        raise DataError(f"data.target: reading training example 0 raised {type(e).__name__}: {e}") from None
+    ncls = getattr(parts[0], "num_classes", None) or len(getattr(parts[0], "classes", None) or ())
+    return StreamedData(f"target:{c.target}", tables[0], tables[1], tables[2] if len(tables) == 3 else None,
+                        ncls, None, None, tuple(x.shape), input_dtype=str(x.dtype).replace("torch.", ""),
+                        **_options(c))
+
+
+def decoded_bytes(c, seed: int, parts=None) -> float:
+    """What the in-memory path would hold of the training and test sets, in bytes (for
+    data.stream=auto): examples x channels x size^2, or a target's examples (``parts``) x
+    the first's size."""
+    if c.target:
+        try:
+            x = torch.as_tensor(parts[0][0][0])
+        except Exception as e:
+            raise DataError(f"data.target: reading training example 0 raised {type(e).__name__}: {e}") from None
+        return float(sum(len(p) for p in parts[:2]) * x.numel() * x.element_size())
+    classes, tr, te = _image_tables(c, seed)
+    size = image_size_of(tr, c)
+    return float((len(tr) + len(te)) * 3 * size * size)
+
+
+def limit(d: StreamedData, c, seed: int) -> StreamedData:
+    """data.train_limit, data.test_limit and data.val_frac, on the tables."""
+    if c.train_limit:
+        d.train = d.train.subset(range(min(c.train_limit, len(d.train))))
+    if c.test_limit:
+        d.test = d.test.subset(range(min(c.test_limit, len(d.test))))
+    if c.val_frac:
+        d.train, d.val = _hold_out(d.train, c.val_frac, seed)
+    return d

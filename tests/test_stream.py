@@ -1,0 +1,271 @@
+"""Streamed data (stream.py, shards.py): the same batches as in memory, independence from the
+number of workers, a restart at a saved position, the ImageNet recipe's transforms, tar
+shards against the folder they were written from, corrupt files, stream=auto, the loading
+heartbeat, and bad input."""
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from parle_hvd import shards
+from parle_hvd.assemble import load_data, streams
+from parle_hvd.config import ConfigError, make_config
+from parle_hvd.data import DataError, ReplicaSampler, _gen, decode_image, load_folder, rrc_box
+from parle_hvd.stream import MemoryFeed, StreamFeed, ShardSampler, eval_batches, shard_windows, train_examples
+from parle_hvd.watchdog import Watchdog
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
+
+
+def write_images(d: Path, per_class=(10, 4), classes=3, seed=0, modes=("RGB",), ext=".jpg"):
+    """train/<class>/ and test/<class>/ of small images of mixed sizes (smooth, class-tinted)."""
+    rng = np.random.default_rng(seed)
+    for part, n in zip(("train", "test"), per_class):
+        for c in range(classes):
+            (d / part / f"k{c}").mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                w, h = (int(v) for v in rng.integers(20, 90, 2))
+                a = (rng.uniform(0, 255, (5, 5, 3)) * (c + 1) / classes).astype(np.uint8)
+                im = Image.fromarray(a).resize((w, h), Image.BILINEAR).convert(modes[i % len(modes)])
+                e = ".png" if im.mode in ("P", "RGBA", "LA", "I;16") else ext
+                im.save(d / part / f"k{c}" / f"{i:03d}{e}")
+    return d
+
+
+def cfg_of(d, *extra):
+    return make_config(None, ["data.name=folder", f"data.dir={d}", "data.image_size=16", "train.batch_size=6",
+                              *extra])
+
+
+def feed(ds, cfg, *, replica=0, nb=None, augment=None):
+    s = ReplicaSampler(torch.arange(ds.n_train), cfg.train.batch_size, seed=7, rank=replica, nb=nb)
+    aug = augment if augment is not None else cfg.data.augment
+    kind = StreamFeed if ds.streamed else MemoryFeed
+    kw = dict(dev=CPU, replica=replica, seed=7) if ds.streamed else {}
+    return kind(ds, s, augment=aug, aug_gen=_gen("augment", 7, replica), **kw)
+
+
+def take(f, n):
+    return [tuple(t.clone() for t in f.next()) for _ in range(n)]
+
+
+def test_streamed_folder_gives_the_in_memory_batches_to_the_bit(tmp_path):
+    """Same decoder, same sampler, same statistics (the sample is the whole set): the
+    streamed folder's batches, with 2 workers, and its evaluation batches are the in-memory ones."""
+    d = write_images(tmp_path / "f", modes=("RGB", "L", "P", "RGBA", "CMYK"))
+    mem = load_data(cfg_of(d, "data.stream=false", "data.augment=crop"))
+    st = load_data(cfg_of(d, "data.stream=true", "data.workers=2", "data.augment=crop"))
+    assert not mem.streamed and st.streamed
+    assert st.mean == mem.mean and st.std == mem.std and st.shape == mem.shape == (3, 16, 16)
+    a, b = take(feed(mem, cfg_of(d, "data.augment=crop")), 12), take(feed(st, cfg_of(d, "data.augment=crop")), 12)
+    for (xa, ya), (xb, yb) in zip(a, b):                 # two passes: 5 batches each, then the third
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    ev = list(eval_batches(st, "test", 0, len(st.test), 5))
+    assert torch.equal(torch.cat([x for x, _ in ev]), mem.test_x) and torch.equal(torch.cat([y for _, y in ev]), mem.test_y)
+
+
+def test_in_memory_stats_are_exact_integer_sums(tmp_path):
+    d = write_images(tmp_path / "f")
+    ds = load_folder(str(d), 16)
+    f = ds.train_x.double() / 255
+    assert ds.mean == pytest.approx(tuple(f.mean(dim=(0, 2, 3)).tolist()), rel=1e-12)
+    assert ds.std == pytest.approx(tuple(f.std(dim=(0, 2, 3)).tolist()), rel=1e-9)
+
+
+def test_imagenet_recipe_is_independent_of_workers_and_resumes_at_a_position(tmp_path):
+    """A streamed example's random crop depends on (seed, replica, pass, position) only:
+    0 and 2 workers give the same batches; a feed restarted at a saved position gives the
+    batches that followed it, and two replicas differ."""
+    d = write_images(tmp_path / "f")
+    c0 = cfg_of(d, "data.augment=imagenet", "data.workers=0")
+    ds0, ds2 = load_data(c0), load_data(cfg_of(d, "data.augment=imagenet", "data.workers=2"))
+    a, b = take(feed(ds0, c0), 9), take(feed(ds2, c0), 9)
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+    f = feed(ds2, c0)
+    take(f, 4)
+    saved = f.sampler.state_dict()
+    rest = take(f, 5)
+    g = feed(ds2, c0)
+    g.sampler.load_state_dict(saved)
+    g.reset()
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(rest, take(g, 5)))
+    assert not torch.equal(take(feed(ds0, c0, replica=1), 1)[0][0], a[0][0])
+
+
+def test_rrc_and_center_crop_boxes():
+    rng = random.Random(3)
+    fracs = []
+    for _ in range(500):
+        w, h = rng.randint(100, 400), rng.randint(100, 400)    # (rounding moves a tiny image's area)
+        x0, y0, x1, y1 = rrc_box(w, h, rng)
+        assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h
+        fracs.append((x1 - x0) * (y1 - y0) / (w * h))
+    assert min(fracs) >= 0.075 and max(fracs) <= 1.0 and np.median(fracs) < 0.7
+    assert rrc_box(300, 200, random.Random(1)) == rrc_box(300, 200, random.Random(1))
+    im = Image.fromarray(np.arange(40 * 60, dtype=np.uint16).reshape(40, 60).astype(np.uint8)).convert("RGB")
+    p = Path("/tmp") / f"parle-center-{time.time_ns()}.png"
+    im.save(p)
+    out = decode_image(str(p), size=35, gray=False, recipe="eval", crop_frac=0.875)
+    p.unlink()
+    assert out.shape == (3, 35, 35)     # the central 35 x 35 of the 40-pixel shorter side: no resize
+    assert np.array_equal(out[0], np.asarray(im)[2:37, 12:47, 0])
+
+
+def test_large_jpeg_is_decoded_at_reduced_scale(tmp_path):
+    """Resize at decode: a 1600 x 1200 JPEG at size 32 is drafted (libjpeg's 1/8 scale), and
+    the result is close to decoding it whole and resizing."""
+    a = (np.random.default_rng(0).uniform(0, 255, (12, 16, 3))).astype(np.uint8)
+    Image.fromarray(a).resize((1600, 1200), Image.BILINEAR).save(tmp_path / "big.jpg", quality=90)
+    fast = decode_image(str(tmp_path / "big.jpg"), size=32, gray=False)
+    with Image.open(tmp_path / "big.jpg") as im:
+        im.draft("RGB", (32, 32))
+        assert im.size[0] <= 1600 // 8 + 1
+    full = np.asarray(Image.open(tmp_path / "big.jpg").convert("RGB").resize((32, 32), Image.BILINEAR))
+    assert np.abs(fast.transpose(1, 2, 0).astype(int) - full.astype(int)).mean() < 6
+
+
+def test_shards_round_trip_and_give_the_folders_samples_per_pass(tmp_path):
+    """The writer copies each image's bytes and label (the index and a header scan agree);
+    a pass over the shards visits every training example of the folder exactly once, decoding
+    to the folder's pixels; dpsgd's shard windows are disjoint and cover every shard."""
+    d = write_images(tmp_path / "f", per_class=(12, 4))
+    c = shards.write(str(d), str(tmp_path / "s"), per_shard=5, seed=3)
+    assert c == {"classes": 3, "train": 36, "test": 12, "train_shards": 8, "test_shards": 3}
+    assert json.loads((tmp_path / "s/classes.json").read_text()) == ["k0", "k1", "k2"]
+    src = {}
+    for y, k in enumerate(["k0", "k1", "k2"]):
+        for p in sorted((d / "train" / k).iterdir()):
+            src[p.read_bytes()] = y
+    got = {}
+    for f in shards.shard_files(tmp_path / "s/train"):
+        idx = shards.shard_index(f)
+        side = f.with_name(f.name[:-4] + ".idx.json")
+        side.rename(tmp_path / "aside.json")
+        assert shards.shard_index(f) == idx                  # the header scan reads what the index says
+        side.parent.joinpath(side.name).write_bytes((tmp_path / "aside.json").read_bytes())
+        raw = f.read_bytes()
+        for key, off, size, label in idx:
+            got[raw[off:off + size]] = label
+    assert got == src
+    sh = load_data(make_config(None, ["data.name=shards", f"data.dir={tmp_path / 's'}", "data.image_size=16",
+                                      "train.batch_size=6", "data.workers=2", "data.shuffle_shards=2"]))
+    fo = load_data(cfg_of(d, "data.stream=true"))
+    assert sh.mean == fo.mean and sh.std == fo.std
+    per_shard, windows = shard_windows(sh, world=1, split="full", frac=1.0, seed=42)
+    s = ShardSampler(per_shard, windows[0], 6, seed=42, rank=0, nb=6, group=2)
+    f = StreamFeed(sh, s, augment="off", aug_gen=None, dev=CPU, replica=0, seed=42)
+    key = lambda x, y: (x.numpy().tobytes(), int(y))
+    folder = sorted(key(x, y) for xb, yb in train_examples(fo, [torch.arange(36)]) for x, y in zip(xb, yb))
+    for _ in range(2):                                       # two passes, each in its own order
+        seen = sorted(key(x, y) for xb, yb in take(f, 6) for x, y in zip(xb, yb))
+        assert seen == folder
+    f.close()
+    _, w2 = shard_windows(sh, world=2, split="frac", frac=0.5, seed=42)
+    assert not set(w2[0]) & set(w2[1]) and sorted(w2[0] + w2[1]) == list(range(8))
+
+
+def test_shard_sampler_orders_differ_by_replica_and_pass():
+    per = {s: torch.arange(s * 10, s * 10 + 10) for s in range(6)}
+    a = ShardSampler(per, list(range(6)), 10, seed=1, rank=0, nb=6, group=2)
+    b = ShardSampler(per, list(range(6)), 10, seed=1, rank=1, nb=6, group=2)
+    pa0, pa1, pb0 = a.plan(0)[1], a.plan(1)[1], b.plan(0)[1]
+    assert sorted(pa0.tolist()) == list(range(60)) and not torch.equal(pa0, pa1) and not torch.equal(pa0, pb0)
+    groups, order, gid = a.plan(0)
+    for g, members in enumerate(groups):                     # a group's examples come from its shards only
+        assert set((order[gid == g] // 10).tolist()) == set(members)
+
+
+def test_corrupt_image_one_line_or_skipped_and_counted(tmp_path):
+    d = write_images(tmp_path / "f")
+    (d / "train/k1/zz-bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    with pytest.raises(DataError, match=r"zz-bad\.jpg: unreadable or corrupt image"):
+        load_data(cfg_of(d, "data.stream=true", "data.workers=1"))
+    ds = load_data(cfg_of(d, "data.stream=true", "data.workers=1", "data.skip_corrupt=true"))
+    f = feed(ds, cfg_of(d), nb=None)
+    batches = take(f, 5)                                     # one pass: the bad file is in it once
+    assert f.skipped == 1 and all(x.shape == (6, 3, 16, 16) for x, _ in batches)
+    bad = [i for i, p in enumerate(ds.train.refs) if p.endswith("zz-bad.jpg")][0]
+    sub = list(train_examples(ds, [[bad + 1]]))[0][0][0]     # its place goes to the next image
+    assert any(torch.equal(sub, x) for xb, _ in batches for x in xb)
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/fashion_parle.yaml", "data.name=folder",
+                        f"data.dir={d}", "data.image_size=16", "data.stream=true", f"run.dir={tmp_path / 'run'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("error: ") and "zz-bad.jpg: unreadable or corrupt image (OSError)" in last
+
+
+def test_stream_auto_follows_the_memory_limit(tmp_path):
+    d = write_images(tmp_path / "f")
+    assert not streams(cfg_of(d))                             # 48 images of 3x16x16: far below 4 GiB
+    assert streams(cfg_of(d, "data.memory_limit=0.00001"))
+    assert streams(cfg_of(d, "data.augment=imagenet"))
+    assert not streams(make_config(None, ["data.name=fashion-mnist"]))
+
+
+def test_streamed_data_target_matches_in_memory(tmp_path):
+    c = lambda s: make_config(None, ["data.target=tests/user_code/data.py:make", "data.kwargs={n_train: 64, n_test: 16}",
+                                     "model.target=usermods.nets:make_mlp", f"data.stream={s}", "data.workers=2"])
+    sys.path.insert(0, str(ROOT / "tests/user_code"))
+    try:
+        mem, st = load_data(c("false")), load_data(c("true"))
+    finally:
+        sys.path.remove(str(ROOT / "tests/user_code"))
+    assert st.streamed and st.shape == mem.shape
+    s = lambda: ReplicaSampler(torch.arange(64), 8, seed=1, rank=0)
+    a = MemoryFeed(mem, s(), augment="off", aug_gen=None)
+    b = StreamFeed(st, s(), augment="off", aug_gen=None, dev=CPU, replica=0, seed=1)
+    for _ in range(10):
+        (xa, ya), (xb, yb) = a.next(), b.next()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("data.stream=maybe", "data.stream"), ("data.workers=-1", "data.workers"), ("data.augment=sometimes", "data.augment"),
+    ("data.memory_limit=0", "data.memory_limit"), ("data.shuffle_shards=0", "data.shuffle_shards")])
+def test_bad_stream_config_names_the_key(override, msg):
+    with pytest.raises(ConfigError, match=msg):
+        make_config(None, ["data.name=folder", "data.dir=/x", override])
+
+
+def test_stream_config_combinations():
+    with pytest.raises(ConfigError, match="data.image_size"):
+        make_config(None, ["data.name=folder", "data.dir=/x", "data.augment=imagenet"])
+    with pytest.raises(ConfigError, match="data.stream"):
+        make_config(None, ["data.name=cifar10", "data.stream=true"])
+    with pytest.raises(ConfigError, match="data.augment"):
+        make_config(None, ["data.name=folder", "data.dir=/x", "data.image_size=8", "data.augment=imagenet",
+                           "data.stream=false"])
+    assert make_config(None, ["data.augment=true"]).data.augment == "crop"
+    assert make_config(None, ["data.augment=false"]).data.augment == "off"
+
+
+def test_watchdog_waits_on_a_loading_rank_while_it_makes_progress(tmp_path):
+    """A busy rank's heartbeat carries a progress count: behind it, but moving, it is not
+    named; once its count stops for dist.timeout it is, with what it was doing."""
+    me = Watchdog(0, 0, 2)
+    me.timeout = 1.0
+    me.attach(tmp_path)
+    other = Watchdog(0, 1, 2)
+    other.attach(tmp_path)
+    other.BUSY_EVERY = 0.1
+    prog = [0]
+    me._n = 1                                  # rank 0 waits in its first collective
+    with other.busy("loading data", lambda: prog[0]):
+        for _ in range(15):                    # 1.5 s > timeout, but moving
+            prog[0] += 1
+            time.sleep(0.1)
+            assert me.behind() == [] and me.waiting_on_busy()
+        time.sleep(1.3)                        # stuck: no progress for longer than the timeout
+        late = me.behind()
+    assert len(late) == 1 and late[0][0] == 1 and "loading data, 15 examples, no progress for" in late[0][2]
+    assert not me._read(1)[2].startswith("busy:")      # the block ended: rank 1 is an ordinary late rank now
+    assert me.behind() == [(1, 0, "none")] and not me.waiting_on_busy()
