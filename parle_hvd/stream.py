@@ -34,8 +34,11 @@ the workers decode its bytes.
 """
 from __future__ import annotations
 
+import atexit
 import random
+import signal
 import sys
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,13 +185,39 @@ def _identity(batch):
     return batch
 
 
+WORKER_GRACE = 120.0   # seconds a worker goes on decoding after a SIGTERM
+
+
 def _worker_init(_: int) -> None:
-    """A worker leaves SIGTERM and SIGINT to its rank: the rank stops after its outer step
-    with a checkpoint (watchdog.StopSignal), then ends its workers; a worker that died of
-    the signal first would fail the rank's next batch instead."""
-    import signal
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A worker outlives a SIGTERM by ``WORKER_GRACE`` s: SLURM and the launchers signal
+    the whole process group, and the rank, which stops after its outer step with a
+    checkpoint (watchdog.StopSignal), still needs its batches until then; a worker that died
+    of the signal first would fail the rank's next batch instead. The alarm is a backstop:
+    the rank ends its workers itself (``_end_workers``, ``StreamFeed.close``)."""
+    signal.signal(signal.SIGTERM, lambda *_: signal.alarm(int(WORKER_GRACE)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers() -> None:
+    """Before multiprocessing's own exit handler (atexit runs newest first), which sends the
+    workers SIGTERM and joins them: a worker still alive then would hold the exit for its
+    grace period."""
+    for it in list(_LIVE):
+        it._shutdown_workers()
+
+
+class _Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose worker iterators are ended at interpreter exit (``_end_workers``)."""
+
+    def _get_iterator(self):
+        it = super()._get_iterator()
+        if self.num_workers:
+            _LIVE.add(it)
+        return it
 
 
 class _Batches:
@@ -208,7 +237,7 @@ def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.dat
     kw = dict(num_workers=d.workers, collate_fn=_identity, pin_memory=d.pin, generator=torch.Generator())
     if d.workers:
         kw.update(prefetch_factor=d.prefetch, multiprocessing_context=d.context, worker_init_fn=_worker_init)
-    return torch.utils.data.DataLoader(Decoder(d, table, mode), batch_sampler=batches, **kw)
+    return _Loader(Decoder(d, table, mode), batch_sampler=batches, **kw)
 
 
 _WARNED: set = set()
@@ -423,7 +452,9 @@ class StreamFeed:
         self._it = None
 
     def close(self) -> None:
-        self._it = None
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()       # now, not at interpreter exit
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -269,3 +269,42 @@ def test_watchdog_waits_on_a_loading_rank_while_it_makes_progress(tmp_path):
     assert len(late) == 1 and late[0][0] == 1 and "loading data, 15 examples, no progress for" in late[0][2]
     assert not me._read(1)[2].startswith("busy:")      # the block ended: rank 1 is an ordinary late rank now
     assert me.behind() == [(1, 0, "none")] and not me.waiting_on_busy()
+
+
+def test_a_streamed_run_that_fails_mid_training_exits_without_hanging(tmp_path):
+    """A divergence (injected NaN at outer step 2) with 2 live workers: exit 3 at once, the
+    workers ended by the trainer (they ignore SIGTERM, so exit could not end them)."""
+    d = write_images(tmp_path / "f", per_class=(20, 4))
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/fashion_parle.yaml", "data.name=folder",
+                        f"data.dir={d}", "data.image_size=28", "data.stream=true", "data.workers=2",
+                        "train.batch_size=8", "parle.sync_period=2", "train.epochs=2", "run.tensorboard=false",
+                        f"run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                       env={**__import__("os").environ, "PARLE_HVD_INJECT_NAN": "0:2"})
+    assert r.returncode == 3 and "non-finite loss or weights" in r.stderr, r.stderr
+
+
+def test_a_process_that_leaves_its_workers_running_still_exits(tmp_path):
+    """Workers outlive a SIGTERM (the rank needs them until its checkpoint), so a feed nobody
+    closed used to hold interpreter exit forever: multiprocessing's exit handler SIGTERMs and
+    joins them. The atexit hook ends them first; this process exits at once, rc 0."""
+    d = write_images(tmp_path / "f", per_class=(12, 3))
+    script = f"""
+import torch
+from parle_hvd.assemble import load_data
+from parle_hvd.config import make_config
+from parle_hvd.data import ReplicaSampler, _gen
+from parle_hvd.stream import StreamFeed, eval_batches
+cfg = make_config(None, ["data.name=folder", "data.dir={d}", "data.image_size=16", "train.batch_size=4",
+                         "data.stream=true", "data.workers=2"])
+ds = load_data(cfg)
+s = ReplicaSampler(torch.arange(ds.n_train), 4, seed=7, rank=0)
+f = StreamFeed(ds, s, augment="off", aug_gen=_gen("augment", 7, 0), dev=torch.device("cpu"), replica=0, seed=7)
+f.next()
+g = eval_batches(ds, "test", 0, 8, 2)
+next(g)
+print("left open", flush=True)
+"""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "left open" in r.stdout, r.stderr
+    assert time.monotonic() - t0 < 30
