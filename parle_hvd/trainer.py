@@ -25,10 +25,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Optional
 
 import torch
+# torch.optim.Optimizer imports torch._dynamo on first use, 2-3 s here: paid now, before the
+# first collective, rather than between the end of loading and the first sync, where a
+# waiting rank counts it against dist.timeout.
+import torch._dynamo  # noqa: F401
 
 from . import checkpoint, comm, report
 from .report import COL
@@ -37,7 +42,7 @@ from .assemble import configure_torch, inference_card, load_data, new_model, pic
     set_rng_state
 from .checkpoint import CheckpointError
 from .config import Config, to_dict
-from .data import PROGRESS, ReplicaSampler, common_nb, replica_indices, to_device, to_input, _gen
+from .data import PROGRESS, DataError, ReplicaSampler, common_nb, replica_indices, to_device, to_input, _gen
 from .stream import ShardSampler, make_feed, shard_windows
 from .evaluation import evaluate, recompute_bn
 from .exchange import outer_schedule
@@ -101,6 +106,20 @@ class Trainer:
         return self.opt.k
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        except DataError as e:
+            # A corrupt file met in training or evaluation is usually this rank's alone (each
+            # replica reads its own examples): say it here, since only rank 0's line is printed.
+            if self.rank != 0 and self.log is not None:
+                sys.stderr.write(f"[rank {self.rank}] error: {e}\n")
+                sys.stderr.flush()
+            raise
+        finally:
+            if self.feed is not None:     # end the DataLoader workers on every way out
+                self.feed.close()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         if not cfg.dist.elastic:
             if cfg.dist.expect_ranks and cfg.dist.expect_ranks != self.world:
