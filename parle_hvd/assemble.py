@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import comm, stream
+from . import comm, slurm, stream
 from .config import Config, to_dict
 from .data import hold_out, load_dataset, to_input
 from .models import build_model
@@ -29,18 +29,50 @@ def configure_torch(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def local_place() -> tuple:
+    """(local rank, ranks on this host): the engine's once it is running, else the
+    launcher's variables (torchrun, Horovod, OpenMPI, MVAPICH, SLURM, MPICH)."""
+    if comm.size() > 1:
+        return comm.local_rank(), comm.local_size()
+    e = os.environ
+    for r, n in (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+                 ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                 ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+        if r in e:
+            return int(e[r]), int(e.get(n, 1))
+    if "SLURM_LOCALID" in e:
+        st = slurm.step_layout(e)
+        return st["local_rank"], st["local_size"]
+    return 0, 1
+
+
+def gpu_index(n_visible: int, local_rank: int, local_size: int, *, visible: str | None, share: bool) -> int:
+    """Which of the ``n_visible`` GPUs this rank takes. One visible device is ``cuda:0``
+    when it is this rank's own (a single rank on the host, or ``CUDA_VISIBLE_DEVICES``
+    naming one device: the scheduler's per-rank binding, SLURM's ``--gpus-per-task=1``);
+    several are taken by local rank; fewer devices than ranks on the host is an error
+    unless ``share`` (then round-robin)."""
+    if n_visible < 1:
+        raise RunError("dist.device: cuda requested but no GPU is visible (CUDA_VISIBLE_DEVICES="
+                       f"{visible!r})" if visible is not None else "dist.device: cuda requested but no GPU is visible")
+    bound = visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+    if n_visible == 1 and (local_size == 1 or bound):
+        return 0
+    if local_size > n_visible and not share:
+        raise RunError(f"dist.device: {local_size} ranks on this host but {n_visible} GPU(s) visible to each; start "
+                       f"one rank per GPU, bind one GPU to each rank (CUDA_VISIBLE_DEVICES, --gpus-per-task=1), "
+                       f"or set dist.share_device=true to share them (the sync then goes over Gloo)")
+    return local_rank % n_visible
+
+
 def pick_device(want: str, share: bool = False) -> torch.device:
-    """One GPU per rank (its local rank), or the CPU; with ``share`` (dist.share_device)
-    the local ranks take the GPUs round-robin."""
+    """One GPU per rank (``gpu_index``), or the CPU."""
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RunError("dist.device: cuda requested but torch.cuda.is_available() is False")
-    n = torch.cuda.device_count()
-    if comm.local_size() > n and not share:
-        raise RunError(f"dist.device: {comm.local_size()} ranks on this host but {n} GPU(s); "
-                       f"start one rank per GPU (or set dist.share_device=true to share them, with Gloo)")
-    i = comm.local_rank() % n
+    lr, ls = local_place()
+    i = gpu_index(torch.cuda.device_count(), lr, ls, visible=os.environ.get("CUDA_VISIBLE_DEVICES"), share=share)
     torch.cuda.set_device(i)
     return torch.device("cuda", i)
 
@@ -93,8 +125,12 @@ def new_model(cfg: Config, ds) -> nn.Module:
     m = cfg.model
     if m.target:
         return build_user_model(m.target, m.kwargs)
-    return build_model(m.name, num_classes=ds.num_classes, in_channels=ds.shape[0], image_size=ds.shape[1],
-                       dropout=m.dropout, depth=m.depth, width=m.width)
+    try:
+        return build_model(m.name, num_classes=ds.num_classes, in_channels=ds.shape[0], image_size=ds.shape[1],
+                           dropout=m.dropout, depth=m.depth, width=m.width)
+    except RuntimeError as e:       # a built-in net measures its features on a zero input: too small for it
+        raise RunError(f"model.name: {m.name} cannot take {list(ds.shape)} inputs (data.image_size); "
+                       f"{str(e).splitlines()[0]}") from None
 
 
 def resolve_objective(cfg: Config, ds=None) -> tuple[Objective, object]:
