@@ -16,6 +16,7 @@ The trainer drives every algorithm the same way::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List
 
@@ -52,6 +53,16 @@ class Algorithm:
 
     def end_outer(self, xbar, *, rk: float, lr: float) -> None:
         pass
+
+    def skip_step(self) -> None:
+        """An inner step whose gradients overflowed (fp16): nothing is updated."""
+
+    def sync_grads(self) -> None:
+        """Gradients averaged across ranks (dpsgd), now."""
+
+    def no_sync(self):
+        """A context in which backward does not average gradients (accumulation)."""
+        return contextlib.nullcontext()
 
     def after_sync(self, model_t: list, ref_t: list) -> None:
         pass
@@ -298,11 +309,29 @@ class DPSGDAlgo(SGDAlgo):
         self.L = cfg.train.block
         self.scale = {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[cfg.dpsgd.lr_scale]
         self.module, self.opt = comm.data_parallel(model, _sgd(self.params, cfg), fp16=cfg.dpsgd.fp16,
-                                                   bucket_mb=cfg.dpsgd.bucket_mb)
+                                                   bucket_mb=cfg.dpsgd.bucket_mb, accum=cfg.train.accum)
+        self.synced = False            # this step's gradients already averaged (sync_grads)
+
+    def sync_grads(self):
+        if hasattr(self.opt, "skip_synchronize") and not self.synced:     # Horovod's DistributedOptimizer
+            self.opt.synchronize()                             # all ranks reach this, every step
+            self.synced = True
+
+    def no_sync(self):
+        return self.module.no_sync() if hasattr(self.module, "no_sync") else contextlib.nullcontext()
 
     def inner_step(self, *, gk, rk, lr, xbar):
         _set_lr(self.opt, lr * self.scale)
-        self.opt.step()                                        # all ranks reach this, every step
+        if self.synced:
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        else:
+            self.opt.step()                                    # all ranks reach this, every step
+        self.synced = False
+
+    def skip_step(self):
+        self.sync_grads()              # the allreduce is made and counted even when its result is dropped
+        self.synced = False
 
     def form_reference(self, model_t, ref_t):
         # The weights are identical on every rank and are copied as they are (an average

@@ -20,13 +20,17 @@ from .targets import Objective, TargetError, build_user_model, check_loss, load_
 
 
 def configure_torch(cfg: Config) -> None:
-    """Threads per rank (dist.threads) and deterministic kernels (run.deterministic)."""
+    """Threads per rank (dist.threads) and deterministic kernels (run.deterministic); without
+    them, cuDNN picks its fastest convolution for each shape (benchmark mode), and float32
+    matmuls may use TF32 (what "high" precision means on an Ampere or later GPU)."""
     if cfg.dist.threads:
         torch.set_num_threads(cfg.dist.threads)
     if cfg.run.deterministic:         # a GPU's kernels may pick algorithms by timing, or add atomically
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
 
 
 def local_place() -> tuple:

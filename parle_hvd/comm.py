@@ -244,26 +244,28 @@ class _Horovod:
     def broadcast(self, flat, root, name):
         return self.hvd.broadcast(flat, root_rank=root, name=f"parle_hvd.{name}")   # all ranks reach this
 
-    def data_parallel(self, model, opt, *, fp16: bool, bucket_mb: float, count):
-        """Horovod's DistributedOptimizer: gradients allreduced in backward hooks, waited
-        for in ``step()``; the model is used as it is. ``count`` is told, at each step, of
-        one allreduce per parameter tensor (Horovod's API calls; its tensor fusion may merge
-        them on the wire) and their bytes (2 per element with fp16)."""
+    def data_parallel(self, model, opt, *, fp16: bool, bucket_mb: float, count, accum: int = 1):
+        """Horovod's DistributedOptimizer: gradients allreduced in backward hooks (after
+        ``accum`` backward passes: ``backward_passes_per_step``), waited for in
+        ``synchronize()`` (which ``step()`` calls); the model is used as it is. ``count`` is
+        told, at each wait, of one allreduce per parameter tensor (Horovod's API calls; its
+        tensor fusion may merge them on the wire) and their bytes (2 per element with fp16)."""
         hvd = self.hvd
         named = list(model.named_parameters())
         comp = hvd.Compression.fp16 if fp16 else hvd.Compression.none
-        dopt = hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp, op=hvd.Average)
+        dopt = hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp, op=hvd.Average,
+                                        backward_passes_per_step=accum)
         params = [p for _, p in named if p.requires_grad]
         per_step = sum(p.numel() * (2 if fp16 and p.is_floating_point() and p.element_size() > 2 else p.element_size())
                        for p in params)
-        inner_step = dopt.step
+        wait = dopt.synchronize
 
-        def step(*args, **kwargs):
-            out = inner_step(*args, **kwargs)   # all ranks reach this (waits for the hooks' allreduces)
+        def synchronize():
+            out = wait()                        # all ranks reach this (waits for the hooks' allreduces)
             count(len(params), per_step)
             return out
 
-        dopt.step = step
+        dopt.synchronize = synchronize
         return model, dopt
 
     def shutdown(self) -> None:
@@ -501,16 +503,19 @@ def broadcast_object(obj: Any = None, root: int = 0, *, name: str = "obj") -> An
 
 
 def data_parallel(model: torch.nn.Module, opt: torch.optim.Optimizer, *, fp16: bool = False,
-                  bucket_mb: float = 25.0):
+                  bucket_mb: float = 25.0, accum: int = 1):
     """Data-parallel SGD's wrapping, by engine: returns ``(module, optimizer)``; train with
     ``module(x)`` and ``optimizer.step()``. Horovod: the model as it is and Horovod's
     DistributedOptimizer (an allreduce per gradient tensor, every step, counted at
     ``step()``). torch: DistributedDataParallel (gradient buckets of ``bucket_mb`` MB
     allreduced during backward, each bucket counted as it goes) and the optimizer as it
-    is. ``fp16`` halves the gradients' bytes on the wire. At world size 1 both are
-    returned as they are. All ranks run the same steps."""
+    is. ``fp16`` halves the gradients' bytes on the wire. ``accum``: backward passes per
+    step (gradient accumulation; DDP: all but the last inside ``module.no_sync()``). At
+    world size 1 both are returned as they are. All ranks run the same steps."""
     if not _active():
         return model, opt
+    if _eng.name == "horovod":
+        return _eng.data_parallel(model, opt, fp16=fp16, bucket_mb=bucket_mb, count=_count_allreduce, accum=accum)
     return _eng.data_parallel(model, opt, fp16=fp16, bucket_mb=bucket_mb, count=_count_allreduce)
 
 

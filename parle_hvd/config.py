@@ -241,9 +241,23 @@ class TrainConfig:
                     "and checkpoints; these algorithms have no sync of their own)")
     loss: str = _f("cross_entropy", "training (and evaluation) loss: cross_entropy (over the last dimension; "
                    "a sequence's every position), or module:function / file.py:function (output, target) -> scalar")
+    precision: str = _f("fp32", "forward and backward under autocast at this precision (bf16, fp16 with a GradScaler: "
+                        "a step whose gradients overflow is skipped); weights, Parle's state and the sync stay "
+                        "fp32", ["fp32", "bf16", "fp16"])
+    accum: int = _f(1, "micro-batches per inner step: train.batch_size (a multiple of it) is cut into this many "
+                    "equal pieces whose gradients add up (the memory of batch_size/accum; the same effective "
+                    "batch, lr and schedules)")
+    compile: bool = _f(False, "torch.compile the model (Inductor); the reference is evaluated through the same "
+                       "compiled module; compiled graphs counted in summary.json")
+    channels_last: bool = _f(False, "conv nets: weights and inputs in channels-last memory format (faster "
+                             "convolutions on tensor cores)")
 
     def __post_init__(self):
         _check(self.epochs > 0, "train.epochs", f"must be > 0, got {self.epochs}")
+        _check(self.accum >= 1, "train.accum", f"must be >= 1, got {self.accum}")
+        _check(self.batch_size % self.accum == 0, "train.accum",
+               f"must divide train.batch_size ({self.batch_size}), got {self.accum}: micro-batches of one size "
+               "(BatchNorm sees the same number of examples each time, and a compiled model one shape)")
         _check(self.block >= 1, "train.block", "must be >= 1")
         _check(self.batch_size >= 1, "train.batch_size", f"must be >= 1, got {self.batch_size}")
 
@@ -332,6 +346,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
+        _check(self.train.precision == "fp32" or self.model.dtype == "float32", "train.precision",
+               f"{self.train.precision} autocasts float32 weights (its master copy); model.dtype is {self.model.dtype}")
         # Both rest on Parle's inner loop not reading the reference (docs/algorithm.md); for any
         # other algorithm they would change what it computes (entropy: rank 0's replica, the one
         # evaluated, would run fewer inner steps), so they are refused, not ignored.

@@ -9,12 +9,17 @@ from . import comm
 from .data import _gen, to_input
 from .stream import eval_batches, train_examples
 
+
+def _plain(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x)
+
 @torch.no_grad()
 def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, step: int, dtype,
-                 dev: torch.device) -> None:
+                 dev: torch.device, *, forward=_plain) -> None:
     """Re-estimate the reference's BatchNorm statistics on ``batches`` training batches.
     Every rank uses the same batches (a shuffle seeded by seed and step), so the ranks'
-    references stay identical without a collective."""
+    references stay identical without a collective. ``forward(module, x)`` runs the model
+    (the trainer's adds autocast and channels_last)."""
     bns = [m for m in ref.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns or batches == 0:
         return
@@ -29,7 +34,7 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
     perm = torch.randperm(ds.n_train, generator=_gen("bn", seed, step))
     idx = [perm[i * batch_size:(i + 1) * batch_size] for i in range(min(batches, len(perm) // batch_size or 1))]
     for x, _ in train_examples(ds, idx):       # in memory, or decoded (the evaluation transform)
-        ref(to_input(x.to(dev), ds.mean, ds.std, dtype))
+        forward(ref, to_input(x.to(dev), ds.mean, ds.std, dtype))
     for m, mom in saved:
         m.momentum = mom
     ref.eval()
@@ -37,24 +42,25 @@ def recompute_bn(ref: nn.Module, ds, batches: int, batch_size: int, seed: int, s
 
 @torch.no_grad()
 def _shard_sums(ref: nn.Module, which: str, n: int, ds, rank: int, world: int, batch_size: int, dtype, dev,
-                obj) -> list:
+                obj, forward=_plain) -> list:
     """[metric sum, summed loss, count] of the reference on this rank's shard of the test
     or validation split (``n`` examples); ``obj`` (targets.Objective) scores a batch."""
     lo, hi = (rank * n) // world, ((rank + 1) * n) // world
     tot = [0.0, 0.0, 0.0]
     for x, y in eval_batches(ds, which, lo, hi, batch_size):
-        out = ref(to_input(x.to(dev), ds.mean, ds.std, dtype))
+        out = forward(ref, to_input(x.to(dev), ds.mean, ds.std, dtype))
         tot = [a + b for a, b in zip(tot, obj.sums(out, y.to(dev)))]
     return tot
 
 
 @torch.no_grad()
 def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, dev: torch.device, extra: list,
-             obj=None):
+             obj=None, *, forward=_plain):
     """Test metric and loss of the reference (and, with a validation split, its validation
     metric and loss), each set sharded across ranks and the sums allreduced in float64
     together with ``extra`` slot rows: one allreduce. All ranks reach this. ``obj``
-    (targets.Objective; default cross-entropy and accuracy) scores a batch.
+    (targets.Objective; default cross-entropy and accuracy) scores a batch;
+    ``forward(module, x)`` runs the model, and returns outputs in the scoring dtype.
     Returns (test metric, test loss, rows, (valid metric, valid loss) or None)."""
     if obj is None:
         from .targets import objective
@@ -62,9 +68,9 @@ def evaluate(ref: nn.Module, ds, rank: int, world: int, batch_size: int, dtype, 
     ref.eval()
     n_test, n_val = (len(ds.test), None if ds.val is None else len(ds.val)) if ds.streamed else \
         (len(ds.test_x), None if ds.val_x is None else len(ds.val_x))
-    parts = _shard_sums(ref, "test", n_test, ds, rank, world, batch_size, dtype, dev, obj)
+    parts = _shard_sums(ref, "test", n_test, ds, rank, world, batch_size, dtype, dev, obj, forward)
     if n_val is not None:
-        parts += _shard_sums(ref, "val", n_val, ds, rank, world, batch_size, dtype, dev, obj)
+        parts += _shard_sums(ref, "val", n_val, ds, rank, world, batch_size, dtype, dev, obj, forward)
     sums = torch.tensor(parts, dtype=torch.float64)
     rows = torch.zeros(world, len(extra), dtype=torch.float64)
     rows[rank] = torch.tensor(extra, dtype=torch.float64)

@@ -150,7 +150,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     replica's slot row of outer step k. ``watchdog`` (watchdog.py) names a silent rank
     instead of letting a collective hang. ``init_broadcast=False`` skips the broadcast of
     rank 0's weights that algorithms starting from one model make at construction (a
-    resumed run loads them instead)."""
+    resumed run loads them instead).
+
+    Mixed precision: under ``torch.amp.GradScaler`` call ``scaler.step(opt, loss=loss)``.
+    This optimizer takes the scaler's ``grad_scale`` and ``found_inf`` (torch's
+    ``_step_supports_amp_scaling`` contract), so its ``step()`` runs on every call: a step
+    whose gradients overflowed updates nothing but still counts as an inner step
+    (``skipped_steps``), and every rank still reaches the sync at the same call. The
+    weights, Parle's state, the reference and the sync stay in the model's dtype (fp32
+    master state); only the forward and backward run under autocast. With dpsgd call
+    ``synchronize_gradients()`` before ``scaler.step`` (Horovod's AMP recipe: the overflow
+    check must see the averaged gradients, alike on every rank). Gradient accumulation:
+    the micro-batches' backward passes but the last inside ``no_sync()``, ``accum`` of them
+    per ``step()``."""
+
+    _step_supports_amp_scaling = True       # GradScaler.step calls step() always, with grad_scale and found_inf
 
     def __init__(self, model: nn.Module, cfg: Config, *, schedule: Callable[[int], tuple],
                  flags: Optional[Callable[[int], dict]] = None, watchdog=None, init_broadcast: bool = True):
@@ -189,6 +203,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.dist_prev = 0.0          # ||x[a] - xbar|| after the newest sync
         self.ref_n = self.world       # how many replicas the reference averages
         self.overlapped_syncs = 0
+        self.skipped_steps = 0        # inner steps whose gradients overflowed (fp16 under a GradScaler)
         self._losses: list = []
         self._timer: Optional[InnerTimer] = None
         self._t_step = 0.0
@@ -225,13 +240,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.j == 0:
             self._begin_outer()
-        self.algo.inner_step(gk=self._plan.gk, rk=self._plan.rk, lr=self.param_groups[0]["lr"], xbar=self.ref_params)
-        if loss is not None:
-            self._losses.append(loss.detach())
+        if self._overflowed():
+            # an overflow of the scaled fp16 gradients (GradScaler): no update, no noise drawn,
+            # but the step counts, so that every rank still reaches the sync at the same call
+            self.skipped_steps += 1
+            self.algo.skip_step()
+        else:
+            self.algo.inner_step(gk=self._plan.gk, rk=self._plan.rk, lr=self.param_groups[0]["lr"],
+                                 xbar=self.ref_params)
+            if loss is not None:
+                self._losses.append(loss.detach())
         self.j += 1
         if self.j >= self._plan.steps[self.rank]:
             self._end_outer()
         return loss
+
+    def _overflowed(self) -> bool:
+        """Under ``GradScaler.step``: whether the scaled gradients overflowed (then nothing is
+        updated); if not, they are unscaled here, in place."""
+        found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found is None:
+            return False
+        if float(found) > 0:          # one device sync per inner step, under fp16 only
+            return True
+        if scale is not None:         # not yet unscaled by the user's scaler.unscale_
+            grads = [p.grad for p in self.param_groups[0]["params"] if p.grad is not None]
+            if grads:                 # as GradScaler.unscale_: times 1/scale, exact (a power of 2)
+                torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+        return False
+
+    def synchronize_gradients(self) -> None:
+        """dpsgd: wait for this step's gradient allreduce now (Horovod's; DDP's is done in
+        backward), so that a GradScaler's overflow check sees the averaged gradients, the
+        same on every rank. Other algorithms: nothing. Call it after the last backward of
+        an inner step, before ``scaler.step``; all ranks reach this alike."""
+        self.algo.sync_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside it add to ``.grad`` without a
+        gradient allreduce (dpsgd under DDP; Horovod counts ``accum`` backward passes per
+        step itself); the last micro-batch's backward runs outside it."""
+        with self.algo.no_sync():
+            yield
 
     def synchronize(self) -> None:
         """Wait for the sync in flight (``overlap``), if any. All ranks reach this alike."""
@@ -249,10 +300,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.ref_model
 
     @contextlib.contextmanager
-    def reference(self):
+    def reference(self, *, form: bool = True):
         """``with opt.reference(): evaluate(model)``: the reference's weights (and BatchNorm
-        buffers) in the model, the replica's restored afterwards. All ranks reach this."""
-        self.reference_model()
+        buffers) in the model, the replica's restored afterwards; the same tensors, so a
+        compiled model is not recompiled. All ranks reach this (``form=False``: the
+        reference as ``reference_model()`` last formed it, no collective)."""
+        if form:
+            self.reference_model()
         saved = [t.detach().clone() for t in self.model_t]
         with torch.no_grad():
             for m, r in zip(self.model_t, self.ref_t):
@@ -276,6 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = {"step": self.k, "inner": self.j, "param_groups": [g], "ref": self.ref_model.state_dict(),
               "algo_state": self.algo.state_dict(), "plans": self.plans_state(), "speeds": list(self.speeds),
               "overlapped_syncs": self.overlapped_syncs, "dist_prev": self.dist_prev, "ref_n": self.ref_n,
+              "skipped_steps": self.skipped_steps,
               "sched": list(self.plans[self.k + 1][:3]) if self.k + 1 in self.plans else []}
         if self.j:                      # inside an outer step: its losses so far, and Parle's x[a] and z
             p = self._plan               # the plan this step runs (plans[k+1] may be newer: overlap, balance)
@@ -298,6 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.speeds = list(sd.get("speeds", [0.0] * self.world))
         self.load_plans(sd.get("plans") or {self.k + 1: [*sd["sched"], [self.L] * self.world]})
         self.overlapped_syncs = sd.get("overlapped_syncs", 0)
+        self.skipped_steps = sd.get("skipped_steps", 0)
         self.ref_n = sd.get("ref_n", self.world)
         self.inflight, self._timer = None, None
         if self.j:                      # resumed inside an outer step

@@ -11,6 +11,19 @@ from .rundir import git_sha, versions
 COL = {c: i for i, c in enumerate(SLOT)}
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (Dynamo's own counter): one
+    for training, one more for eval mode; every later one is a recompile."""
+    import torch._dynamo.utils as du   # imported by trainer.py already (cheap here)
+    return int(du.counters["stats"]["unique_graphs"])
+
+
+def device_mem_gb(dev) -> float:
+    """Peak memory allocated on ``dev`` so far, GB (CUDA only; 0 elsewhere)."""
+    import torch
+    return torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else 0.0
+
+
 def run_header(t) -> dict:
     cfg = t.cfg
     return {"config": to_dict(cfg), "versions": versions(), "git_sha": git_sha(), "world_size": t.world,
@@ -27,7 +40,11 @@ def step_scalars(t, r) -> dict:
           "train/loss_max_inner": rows[:, 1].max(), "parle/lr": plan.lr,
           "comm/bytes": cs.bytes, "comm/allreduce_calls": cs.allreduce_calls,
           "perf/samples_per_sec": sum(plan.steps) * t.cfg.train.batch_size / max(r.seconds, 1e-9),
-          "perf/step_seconds": r.seconds, "train/passes": r.step * t.L / t.nb}
+          "perf/step_seconds": r.seconds, "train/passes": r.step * t.L / t.nb,
+          # mean over replicas of one inner step's milliseconds (forward, backward, update)
+          "perf/step_ms": 1000 * rows[:, COL["step_seconds"]].mean(),
+          "perf/device_mem_gb": device_mem_gb(t.dev)}
+    sc["perf/samples_per_sec_per_device"] = sc["perf/samples_per_sec"] / t.world
     if t.opt.balance:                 # what each replica did in step k, and how fast
         sc.update({f"balance/inner_steps/{a}": n for a, n in enumerate(plan.steps)})
         sc.update({f"balance/step_seconds/{a}": v for a, v in enumerate(rows[:, COL["step_seconds"]].tolist())})
@@ -64,6 +81,11 @@ def summary(t) -> dict:
             "resumed_from": t.resumed_from,
             "data_streamed": t.ds.streamed, "data_workers": cfg.data.workers if t.ds.streamed else 0,
             "data_corrupt_skipped": t.feed.skipped,
+            "precision": cfg.train.precision, "accum": cfg.train.accum, "compile": cfg.train.compile,
+            "channels_last": cfg.train.channels_last, "skipped_steps": opt.skipped_steps,
+            "step_ms": t.perf[0] / max(t.perf[1], 1),
+            "samples_per_sec_per_device": t.samples / max(t.wall(), 1e-9) / t.world,
+            "device_mem_gb": device_mem_gb(t.dev), "compile_graphs": compiled_graphs() if cfg.train.compile else 0,
             "elastic": cfg.dist.elastic, "elastic_events": t.member.events if t.member else [],
             "elastic_commit_seconds": t.member.commit_seconds if t.member else 0.0,
             "config": to_dict(cfg)}

@@ -22,6 +22,7 @@ those of the blocking loop. docs/algorithm.md, "Overlapped sync" and "Balanced i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -181,11 +182,22 @@ class Trainer:
         # Replica: independent initialisation (seed + replica) unless asked to start from rank 0's.
         seed_replica(cfg.train.seed + replica_id)
         self.model = new_model(cfg, ds).to(device=dev, dtype=self.dtype)
+        if cfg.train.channels_last:    # 4-D weights only; the sync packs tensors in logical order
+            self.model = self.model.to(memory_format=torch.channels_last)
         self.opt = opt = DistributedOptimizer(
             self.model, cfg, watchdog=self.dog, init_broadcast=init_bcast, flags=self._flags,
             schedule=lambda k: outer_schedule(k, L=opt.L, nb=nb, parle=cfg.parle, optim=cfg.optim,
                                               epochs=cfg.train.epochs))
         opt.register_sync_hook(self._on_sync)
+        T = cfg.train
+        # Speed on accelerators: autocast around forward and loss (the weights, Parle's state
+        # and the sync stay in model.dtype: the master copy), a GradScaler for fp16, and one
+        # compiled module that trains the replica and evaluates the reference.
+        self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(T.precision)
+        self.scaler = torch.amp.GradScaler(dev.type, enabled=T.precision == "fp16")
+        self.net = torch.compile(opt.module) if T.compile else opt.module
+        self.perf = [0.0, 0]
+        self.graphs_seen = 0          # inner-step milliseconds summed over syncs, and syncs (this process)
         self.L = L = opt.L
         # The same on every rank: window sizes do not depend on the rank.
         self.K = max(1, math.ceil(cfg.train.epochs * nb / L))
@@ -304,6 +316,7 @@ class Trainer:
         return {**self.opt.state_dict(), "world": self.world, "params": self.n_params, "algo": self.cfg.algo,
                 "replica": self.replica_id, "world0": self.world0, "model": self.model.state_dict(),
                 "sampler": self.sampler.state_dict(), "aug_gen": self.aug_gen.get_state(), **rng_state(self.dev),
+                "scaler": self.scaler.state_dict(),
                 "comm": comm.stats().as_dict(), "wall": self.wall(), "eval_wall": self.eval_wall,
                 "evals": self.evals, "samples": self.samples, "last_val": list(self.last_val),
                 "last_valid": list(self.last_valid), "spread": list(self.spread), "config": to_dict(self.cfg)}
@@ -314,6 +327,8 @@ class Trainer:
         self.model.load_state_dict(st["model"])
         self.opt.load_state_dict({"ref_n": st.get("world", self.world), **st})
         self.sampler.load_state_dict(st["sampler"])
+        if st.get("scaler"):
+            self.scaler.load_state_dict(st["scaler"])
         self.feed.reset()                # streamed: the workers restart at the loaded position
         self.aug_gen.set_state(st["aug_gen"])
         set_rng_state(st, self.dev)
@@ -341,17 +356,17 @@ class Trainer:
     def loop(self) -> dict:
         """Outer steps ``self.k + 1 .. K``. Every rank makes the same collectives in the same
         order: one sync (or slot exchange) per outer step, one allreduce per evaluation."""
-        cfg, K, opt, ds = self.cfg, self.K, self.opt, self.ds
-        self.model.train()
+        cfg, K, opt, scaler = self.cfg, self.K, self.opt, self.scaler
+        self.net.train()
         for k in range(self.k + 1, K + 1):
             plan = opt.next_plan()                      # rank 0's, received in an earlier sync
             for _ in range(plan.steps[self.rank]):      # L, or this replica's share (parle.balance)
                 xb, yb = self.feed.next()               # this replica's next batch, on its device
-                out = opt.module(to_input(xb, ds.mean, ds.std, self.dtype))
-                loss = self.obj.loss(out, yb)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step(loss=loss)                     # the last one: outer update, sync (all ranks reach this)
+                loss = self._backward(k, xb, yb)
+                opt.synchronize_gradients()             # dpsgd: averaged before the overflow check (all ranks reach this)
+                scaler.step(opt, loss=loss)             # the last one: outer update, sync (all ranks reach this)
+                scaler.update()
             self.samples += sum(plan.steps) * cfg.train.batch_size
             eval_now = k % self.eval_every_steps == 0 or k == K
             ckpt_now = bool(cfg.run.ckpt_every and k % cfg.run.ckpt_every == 0) or k == K
@@ -371,6 +386,38 @@ class Trainer:
                 self.member.commit_step(opt.last_rows)
         return self.finish()
 
+    def _forward(self, net, x: torch.Tensor) -> torch.Tensor:
+        """``net`` on a normalised batch, under autocast at train.precision."""
+        if self.cfg.train.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(self.dev.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+            return net(x)
+
+    def _eval_forward(self, net, x: torch.Tensor) -> torch.Tensor:
+        """The evaluation's outputs, scored in model.dtype (a bf16 logit loses digits in a sum)."""
+        out = self._forward(net, x)
+        return out.to(self.dtype) if out.is_floating_point() and out.dtype != self.dtype else out
+
+    def _backward(self, k: int, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one inner step's batch, in train.accum micro-batches whose
+        gradients add up to the whole batch's (each loss weighted by its share of the
+        examples); only the last one's backward averages gradients across ranks (dpsgd).
+        Returns the batch's loss (unscaled)."""
+        ds, A = self.ds, self.cfg.train.accum
+        parts = list(zip(xb.tensor_split(A), yb.tensor_split(A))) if A > 1 else [(xb, yb)]
+        total = None
+        for i, (xm, ym) in enumerate(parts):
+            with self.opt.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+                with torch.autocast(self.dev.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+                    loss = self.obj.loss(self._forward(self.net, to_input(xm, ds.mean, ds.std, self.dtype)), ym)
+                if A > 1:
+                    loss = loss * (len(ym) / len(yb))
+                if i == 0 and self.opt.j == 0 and _injected("PARLE_HVD_INJECT_INF", self.rank, k):
+                    loss = loss * float("inf")        # tests: an overflow in outer step k's first inner step
+                self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
     def _flags(self, k: int) -> dict:
         """This trainer's flags in its slot row of outer step k: a stop asked (a signal), a
         failed checkpoint write, and (elastic mode, rank 0) the coordinator's news of hosts
@@ -385,6 +432,8 @@ class Trainer:
         (raises), and note the ranks that asked for a stop."""
         rows = r.rows
         self.last_loss, self.loss_step = float(rows[:, 0].mean()), r.step
+        self.perf[0] += 1000 * float(rows[:, COL["step_seconds"]].mean())
+        self.perf[1] += 1
         if self.rank == 0 and (r.step % self.log_every_steps == 0 or r.step == self.K):
             self.log.scalars(r.step, report.step_scalars(self, r))
         bad = [i for i in range(len(rows)) if rows[i, COL["nonfinite"]] > 0]
@@ -418,9 +467,14 @@ class Trainer:
         cfg, ds, t_eval = self.cfg, self.ds, time.monotonic()
         ref = self.opt.reference_model()          # all ranks reach this (a broadcast for sgd and dpsgd)
         with self.dog.collective("evaluation", k):
-            recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, self.dtype, self.dev)
-            acc, vloss, drows, valid = evaluate(ref, ds, self.rank, self.world, cfg.eval.batch_size, self.dtype,
-                                                self.dev, [self.opt.dist_prev], self.obj)
+            recompute_bn(ref, ds, cfg.eval.bn_batches, cfg.train.batch_size, cfg.train.seed, k, self.dtype, self.dev,
+                         forward=self._forward)
+            # the reference's weights in the module that trains, so that a compiled one is
+            # reused (a weight swap is no recompile; eval mode is one, at the first evaluation)
+            with self.opt.reference(form=False):
+                acc, vloss, drows, valid = evaluate(self.net, ds, self.rank, self.world, cfg.eval.batch_size,
+                                                    self.dtype, self.dev, [self.opt.dist_prev], self.obj,
+                                                    forward=self._eval_forward)
         if self.opt.algo.syncs:
             self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
         self.evals += 1
@@ -431,7 +485,12 @@ class Trainer:
         scalars, line = report.evaluation(self, k, plan, acc, vloss, valid)
         self.log.scalars(k, scalars)
         self.log.info(line)
-        self.model.train()
+        graphs = report.compiled_graphs()
+        if self.cfg.train.compile and self.evals > 1 and graphs != self.graphs_seen:
+            self.log.info(f"compile: {graphs - self.graphs_seen} graph(s) recompiled since the last evaluation "
+                          f"({graphs} in all)")
+        self.graphs_seen = graphs
+        self.net.train()
 
     def _stopped(self, k: int) -> dict:
         self.feed.close()

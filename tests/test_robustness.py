@@ -378,6 +378,11 @@ def _bad_cases(tmp, done, done2):
         ("elastic mode with an algorithm without a reference", ["algo=dpsgd", "--elastic"],
          "dist.elastic: needs an algorithm with a reference", None),
         ("unknown command-line flag", ["--bogus"], "unrecognized arguments: --bogus", None),
+        ("unknown precision", ["train.precision=fp8"], "train.precision: must be one of", None),
+        ("no micro-batch", ["train.accum=0"], "train.accum: must be >= 1", None),
+        ("compile neither true nor false", ["train.compile=maybe"], "train.compile: expected", None),
+        ("autocast of float64 weights", ["train.precision=bf16", "model.dtype=float64"],
+         "train.precision: bf16 autocasts float32 weights", None),
         ("elastic mode outside horovodrun's elastic mode", ["dist.elastic=true"],
          "dist.elastic: start the job with horovodrun's elastic mode", None),
     ]
