@@ -10,7 +10,11 @@
 # on one device), the sync on CUDA tensors, with the run's allreduce count checked; (5) the same
 # under torchrun (dist.engine=torch, issue 15); (6) parle.overlap and parle.balance=time under
 # torchrun, the inner loops timed by CUDA events on their own stream (issue 21): the syncs
-# overlapped, the allreduce count unchanged, and n*L inner steps shared in every outer step.
+# overlapped, the allreduce count unchanged, and n*L inner steps shared in every outer step;
+# (7) bench.precision: samples/s of fp32, bf16 and compiled fp32/bf16 (issue 24); (8) 2 ranks
+# under fp16 with a GradScaler and train.accum=2, then bf16 with channels_last: the allreduce
+# count unchanged; (9) placement with one visible device per rank (SLURM's --gpus-per-task=1:
+# CUDA_VISIBLE_DEVICES=0 for local rank 1 of 4 is cuda:0), and the one-line error without it.
 # (With one GPU the two ranks share it, so the sync goes over Gloo, not NCCL: step 6 is a
 # smoke of the path; the NCCL-stream effect InnerTimer avoids needs a GPU per rank.)
 # Writes gpu_check.log, throughput.txt and the 2-rank run under $OUT (a temporary folder if unset).
@@ -93,4 +97,37 @@ print(f"overlap and balance: {s['overlapped_syncs']} of {s['outer_steps']} syncs
       f"{s['allreduce_calls']} allreduces (= K + 1 + E), last split {split[-1]}, "
       f"seconds per inner step {tuple(round(x, 4) for x in secs[-1])}")
 PY
-step "done: log, throughput.txt and the 2-rank run in $OUT"
+
+step "7. mixed precision and torch.compile: samples/s beside fp32 (bench.precision), device $DEVICE"
+if [[ $DRY == 1 ]]; then     # LeNet, tiny, no compile: the compile path has its own test in make test
+    "$PY" -m bench.precision --part speed --models lenet --rounds 1 --outer 2 --bs 32 --L 2 --variants fp32,bf16 \
+        | tee "$OUT/precision.txt"
+else
+    "$PY" -m bench.precision --part speed | tee "$OUT/precision.txt"
+fi
+
+step "8. 2 ranks under fp16 (GradScaler) with train.accum=2, then bf16 with channels_last"
+EXTRA="train.precision=fp16 train.accum=2" two_ranks "$OUT/fp16_accum" "$HVD" --gloo -np 2 -H localhost:2
+if [[ $DRY != 1 ]]; then     # (the dry run: tests/test_speed.py covers bf16 on 2 ranks)
+    EXTRA="train.precision=bf16 train.channels_last=true" two_ranks "$OUT/bf16_cl" "$HVD" --gloo -np 2 -H localhost:2
+fi
+
+step "9. placement with one visible device per rank"
+if [[ $DRY == 1 ]]; then     # no GPU: the placement rules with mocked device counts
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_placement.py
+else                         # local rank 1 of 4, bound to one GPU: cuda:0; unbound with one GPU: refused
+    run="$OUT/placement"
+    rm -rf "$run"
+    CUDA_VISIBLE_DEVICES=0 OMPI_COMM_WORLD_LOCAL_RANK=1 OMPI_COMM_WORLD_LOCAL_SIZE=4 "$PY" train.py \
+        --config configs/fashion_parle.yaml dist.backend=none dist.device=cuda data.train_limit=640 \
+        data.test_limit=200 train.epochs=1 run.progress=lines run.dir="$run"
+    "$PY" -c "import json,sys; d=json.load(open('$run/summary.json'))['device']; print('bound rank on', d); sys.exit(d != 'cuda:0')"
+    if env -u CUDA_VISIBLE_DEVICES OMPI_COMM_WORLD_LOCAL_RANK=1 OMPI_COMM_WORLD_LOCAL_SIZE=4 "$PY" train.py \
+        --config configs/fashion_parle.yaml dist.backend=none dist.device=cuda data.train_limit=640 \
+        run.dir="$OUT/placement_refused" 2> "$OUT/placement_refused.err"; then
+        [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 4 ]] || fail "4 ranks on fewer GPUs were not refused"
+    else
+        echo "unbound: $(cat "$OUT/placement_refused.err")"
+    fi
+fi
+step "done: log, throughput.txt, precision.txt and the 2-rank runs in $OUT"

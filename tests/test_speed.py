@@ -103,12 +103,12 @@ def test_dpsgd_accumulation_under_both_engines_equals_the_whole_batch(tmp_path, 
 @pytest.mark.multirank
 @needs_fashion
 def test_two_rank_bf16_parle_keeps_one_allreduce_per_outer_step(tmp_path):
-    """bf16 autocast with accumulation changes nothing on the wire: the allreduce count is
-    still outer steps + 1 + evaluations, and the references stay fp32."""
+    """bf16 autocast with accumulation and channels_last changes nothing on the wire: the
+    allreduce count is still outer steps + 1 + evaluations, and the references stay fp32."""
     d = tmp_path / "r"
     run_ranks(TRAIN, timeout=180, reports=False,
               args=["--config", "configs/fashion_parle.yaml", *SMALL, "train.epochs=1", "eval.every=0.5",
-                    "train.precision=bf16", "train.accum=2", f"run.dir={d}"])
+                    "train.precision=bf16", "train.accum=2", "train.channels_last=true", f"run.dir={d}"])
     s = json.loads((d / "summary.json").read_text())
     assert s["precision"] == "bf16" and s["evaluations"] == 2 and s["world_size"] == 2
     assert s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
