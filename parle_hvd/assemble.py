@@ -128,13 +128,21 @@ def new_model(cfg: Config, ds) -> nn.Module:
     """model.target's module, or the built-in model.name sized to the dataset."""
     m = cfg.model
     if m.target:
-        return build_user_model(m.target, m.kwargs)
-    try:
-        return build_model(m.name, num_classes=ds.num_classes, in_channels=ds.shape[0], image_size=ds.shape[1],
-                           dropout=m.dropout, depth=m.depth, width=m.width)
-    except RuntimeError as e:       # a built-in net measures its features on a zero input: too small for it
-        raise RunError(f"model.name: {m.name} cannot take {list(ds.shape)} inputs (data.image_size); "
-                       f"{str(e).splitlines()[0]}") from None
+        net = build_user_model(m.target, m.kwargs)
+    else:
+        try:
+            net = build_model(m.name, num_classes=ds.num_classes, in_channels=ds.shape[0], image_size=ds.shape[1],
+                              dropout=m.dropout, depth=m.depth, width=m.width)
+        except RuntimeError as e:   # a built-in net measures its features on a zero input: too small for it
+            raise RunError(f"model.name: {m.name} cannot take {list(ds.shape)} inputs (data.image_size); "
+                           f"{str(e).splitlines()[0]}") from None
+    t = cfg.train
+    if t.accum > 1 and t.batch_size // t.accum < 2 and any(isinstance(x, nn.modules.batchnorm._BatchNorm)
+                                                             for x in net.modules()):
+        # BatchNorm in training cannot normalise one example: say so before the first step does
+        raise RunError(f"train.accum: micro-batches of {t.batch_size // t.accum} example(s) (train.batch_size "
+                       f"{t.batch_size} / {t.accum}), but the model has BatchNorm, which needs at least 2")
+    return net
 
 
 def resolve_objective(cfg: Config, ds=None) -> tuple[Objective, object]:

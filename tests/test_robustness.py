@@ -380,6 +380,8 @@ def _bad_cases(tmp, done, done2):
         ("unknown command-line flag", ["--bogus"], "unrecognized arguments: --bogus", None),
         ("unknown precision", ["train.precision=fp8"], "train.precision: must be one of", None),
         ("no micro-batch", ["train.accum=0"], "train.accum: must be >= 1", None),
+        ("BatchNorm micro-batches of one example", ["model.name=resnet18", "train.batch_size=8", "train.accum=8"],
+         "train.accum: micro-batches of 1 example(s)", None),
         ("compile neither true nor false", ["train.compile=maybe"], "train.compile: expected", None),
         ("autocast of float64 weights", ["train.precision=bf16", "model.dtype=float64"],
          "train.precision: bf16 autocasts float32 weights", None),
