@@ -65,6 +65,12 @@ class Dataset:
         return len(self.train_x)
 
 
+# Work done so far by this process while it loads (files listed, headers read, files and
+# examples decoded): the watchdog's heartbeat reports it, so that a slow start is told from
+# a stuck one.
+PROGRESS = [0]
+
+
 # --------------------------------------------------------------------------- IDX (MNIST-style)
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
@@ -73,6 +79,7 @@ def read_idx(path: Path) -> np.ndarray:
     """Read an IDX file (gzipped or not): magic 0x0000TTDD, DD big-endian uint32 dims, data."""
     try:
         raw = path.read_bytes()
+        PROGRESS[0] += 1
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
     except (OSError, EOFError, gzip.BadGzipFile) as e:
@@ -161,6 +168,7 @@ def _unpickle(path: Path) -> dict:
         raise DataError(f"{path}: truncated or corrupt CIFAR pickle ({e.__class__.__name__})") from None
     if not isinstance(d, dict):
         raise DataError(f"{path}: not a CIFAR batch (expected a dict)")
+    PROGRESS[0] += 1
     return d
 
 
@@ -244,8 +252,16 @@ def _bad_image() -> tuple:
 
 
 def _class_files(d: Path) -> dict:
-    return {c.name: sorted(p for p in c.iterdir() if p.suffix.lower() in _IMG_EXT)
-            for c in sorted(d.iterdir()) if c.is_dir()}
+    out = {}
+    for c in sorted(d.iterdir()):
+        if c.is_dir():
+            fs = []
+            for p in c.iterdir():          # a million files take seconds: counted as progress
+                if p.suffix.lower() in _IMG_EXT:
+                    fs.append(p)
+                PROGRESS[0] += 1
+            out[c.name] = sorted(fs)
+    return out
 
 
 def folder_split(directory: str, test_frac: float = 0.1, seed: int = 0) -> tuple:
@@ -386,6 +402,7 @@ def is_gray(srcs, skip_corrupt: bool = False) -> bool:
         except DataError:
             if not skip_corrupt:
                 raise
+        PROGRESS[0] += 1
     return out
 
 
@@ -440,9 +457,6 @@ def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, see
     return Dataset("folder", xtr, ytr, xte, yte, len(classes), *st.result())
 
 
-# Examples read so far by this process (the watchdog's heartbeat reports it while a rank
-# loads, so that a slow start is told from a stuck one).
-PROGRESS = [0]
 
 
 LOADERS = {"fashion-mnist": lambda c, seed: load_idx_dataset("fashion-mnist", c.dir),

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import data as D
 from .data import DataError, _IMG_EXT, _gen, folder_split
 
 _EXT = tuple(sorted(_IMG_EXT))
@@ -39,13 +40,16 @@ def shard_index(path: Path) -> list:
     side = path.with_name(path.name[:-4] + ".idx.json")
     if side.is_file():
         try:
-            return [tuple(r) for r in json.loads(side.read_text())["examples"]]
+            rows = [tuple(r) for r in json.loads(side.read_text())["examples"]]
+            D.PROGRESS[0] += len(rows)
+            return rows
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{side}: unreadable shard index ({type(e).__name__}); delete it to rescan the shard") from None
     imgs, cls = {}, {}
     try:
         with tarfile.open(path, "r:") as tf:
             for m in tf:
+                D.PROGRESS[0] += 1
                 if not m.isfile():
                     continue
                 key, dot, ext = m.name.rpartition(".")

@@ -179,6 +179,9 @@ class Decoder(torch.utils.data.Dataset):
         except RuntimeError as e:        # torch.stack of examples of different shapes
             return {"x": None, "y": None, "skipped": skipped,
                     "error": f"data: examples of one batch differ in shape ({e})"}
+        except Exception as e:           # anything else (a user's label type, MemoryError): one line too
+            return {"x": None, "y": None, "skipped": skipped,
+                    "error": f"data: decoding a batch raised {type(e).__name__}: {e}".splitlines()[0]}
 
 
 def _identity(batch):
@@ -243,6 +246,45 @@ def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.dat
 _WARNED: set = set()
 
 
+class _Batched:
+    """A loader's batches, with the loader's own failures as one DataError line instead of
+    a traceback: a worker killed (the out-of-memory killer, a signal), or a dataset that
+    cannot be sent to a worker (data.worker_start=spawn or forkserver pickle it)."""
+
+    def __init__(self, dl, where: str):
+        self.dl, self.where, self.it = dl, where, None
+
+    def _fail(self, e: Exception):
+        import pickle
+        msg = str(e)
+        if isinstance(e, RuntimeError) and "DataLoader worker" in msg:
+            return DataError(f"data.workers ({self.where}): {msg}".splitlines()[0])
+        if isinstance(e, pickle.PicklingError) or (isinstance(e, (AttributeError, TypeError)) and "pickle" in msg):
+            return DataError(f"data.worker_start: the dataset cannot be sent to a worker process "
+                             f"({type(e).__name__}: {msg}); make it picklable or use data.worker_start=fork"
+                             .splitlines()[0])
+        return None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import pickle
+        try:
+            if self.it is None:
+                self.it = iter(self.dl)          # starts the workers (and pickles the dataset for them)
+            return next(self.it)
+        except (RuntimeError, AttributeError, TypeError, pickle.PicklingError) as e:
+            err = self._fail(e)
+            if err is None:
+                raise
+            raise err from None
+
+    def close(self) -> None:
+        if self.it is not None and hasattr(self.it, "_shutdown_workers"):
+            self.it._shutdown_workers()         # now, not at interpreter exit
+
+
 def _check(batch: dict, where: str) -> dict:
     """A worker's error raised here, as one line; a skipped file warned about once per process
     (the feed counts every skip: summary.json's data_corrupt_skipped)."""
@@ -266,7 +308,7 @@ def eval_batches(ds, which: str, lo: int, hi: int, batch_size: int):
         return
     table = ds.test if which == "test" else ds.val
     spans = [[(i, 0, None) for i in range(a, min(a + batch_size, hi))] for a in range(lo, hi, batch_size)]
-    for b in loader(ds, table, "eval", spans):
+    for b in _Batched(loader(ds, table, "eval", spans), which):
         b = _check(b, which)
         yield b["x"], b["y"]
 
@@ -278,7 +320,7 @@ def train_examples(ds, batches: list):
         for idx in batches:
             yield ds.train_x[idx], ds.train_y[idx]
         return
-    for b in loader(ds, ds.train, "eval", [[(int(i), 0, None) for i in idx] for idx in batches]):
+    for b in _Batched(loader(ds, ds.train, "eval", [[(int(i), 0, None) for i in idx] for idx in batches]), "train"):
         b = _check(b, "train")
         yield b["x"], b["y"]
 
@@ -437,7 +479,8 @@ class StreamFeed:
     def next(self) -> tuple:
         if self._it is None:
             e, p = self.sampler.epoch, self.sampler.pos
-            self._it = iter(loader(self.ds, self.ds.train, "train", _Batches(lambda: self._items(e, p))))
+            self._it = _Batched(loader(self.ds, self.ds.train, "train", _Batches(lambda: self._items(e, p))),
+                                f"replica {self.replica}")
         b = _check(next(self._it), f"replica {self.replica}")
         self.sampler.advance()
         self.skipped += len(b["skipped"])
@@ -453,8 +496,8 @@ class StreamFeed:
 
     def close(self) -> None:
         it, self._it = self._it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()       # now, not at interpreter exit
+        if it is not None:
+            it.close()                   # the workers end now, not at interpreter exit
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

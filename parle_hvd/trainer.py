@@ -316,7 +316,7 @@ class Trainer:
         return {**self.opt.state_dict(), "world": self.world, "params": self.n_params, "algo": self.cfg.algo,
                 "replica": self.replica_id, "world0": self.world0, "model": self.model.state_dict(),
                 "sampler": self.sampler.state_dict(), "aug_gen": self.aug_gen.get_state(), **rng_state(self.dev),
-                "scaler": self.scaler.state_dict(),
+                "scaler": self.scaler.state_dict(), "data_skipped": self.feed.skipped,
                 "comm": comm.stats().as_dict(), "wall": self.wall(), "eval_wall": self.eval_wall,
                 "evals": self.evals, "samples": self.samples, "last_val": list(self.last_val),
                 "last_valid": list(self.last_valid), "spread": list(self.spread), "config": to_dict(self.cfg)}
@@ -330,6 +330,7 @@ class Trainer:
         if st.get("scaler"):
             self.scaler.load_state_dict(st["scaler"])
         self.feed.reset()                # streamed: the workers restart at the loaded position
+        self.feed.skipped = int(st.get("data_skipped", 0))   # the corrupt images skipped up to it
         self.aug_gen.set_state(st["aug_gen"])
         set_rng_state(st, self.dev)
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])

@@ -11,9 +11,11 @@
   fewer collectives than the waiting one is the silent one; the watchdog names it.
 * Busy ranks: a rank doing long work between collectives (loading its data before the
   first sync) says so in ``busy(...)``: a thread rewrites its heartbeat every few seconds
-  with a progress count (examples read). A rank waiting for it goes on waiting while that
-  count moves; only a busy rank whose count has not moved for ``dist.timeout`` seconds, or
-  whose heartbeat stopped, is named.
+  with a progress count (files listed, headers and examples read). A rank waiting for it
+  goes on waiting while that count moves; only a busy rank whose count has not moved for
+  ``dist.timeout`` seconds, or whose heartbeat stopped, is named. Both are judged by the
+  waiting rank's own monotonic clock (when it saw the count, or the heartbeat, change), never
+  by the time written in the file: the ranks' hosts need not agree on the time.
 Nothing here imports Horovod.
 """
 from __future__ import annotations
@@ -62,12 +64,16 @@ class Watchdog:
         self._alive = 0.0       # when a busy rank we wait for was last seen making progress
         self._progress: Callable[[], int] = lambda: 0
         self._moved: dict = {}  # rank -> (its last progress count seen, when it was first seen)
+        self._beats: dict = {}  # rank -> (its last heartbeat line seen, when it was first seen)
         if timeout > 0 and world > 1:
             threading.Thread(target=self._run, name="parle-watchdog", daemon=True).start()
 
     def reset(self, rank: int, world: int) -> None:
         """A new world (elastic mode): new rank numbers, and every rank counts from zero."""
         self.rank, self.world, self._n = rank, world, 0
+        self._moved.clear()     # the numbers now name other processes
+        self._beats.clear()
+        self._alive = 0.0
 
     def attach(self, run_dir: Path) -> None:
         self.hb_dir = Path(run_dir) / ".heartbeat"
@@ -124,12 +130,18 @@ class Watchdog:
             self._write()
 
     def _read(self, r: int) -> tuple:
-        """(collectives entered, outer step, what, heartbeat time, progress) of rank r."""
+        """(collectives entered, outer step, what, when this rank saw that heartbeat line
+        first (its own monotonic clock), progress) of rank r."""
         try:
-            f = (self.hb_dir / f"rank-{r}").read_text().split()
-            return int(f[0]), int(f[1]), f[2].replace("_", " "), float(f[3]), int(f[4]) if len(f) > 4 else 0
+            line = (self.hb_dir / f"rank-{r}").read_text()
+            f = line.split()
+            n, step, what, prog = int(f[0]), int(f[1]), f[2].replace("_", " "), int(f[4]) if len(f) > 4 else 0
         except (OSError, ValueError, IndexError):
             return 0, -1, "none", 0.0, 0
+        seen = self._beats.get(r)
+        if seen is None or seen[0] != line:     # a new beat (every line carries its writer's time)
+            self._beats[r] = seen = (line, time.monotonic())
+        return n, step, what, seen[1], prog
 
     def behind(self) -> list:
         """(rank, outer step, collective) of every rank that has entered fewer collectives than
@@ -147,10 +159,11 @@ class Watchdog:
                 last = self._moved.get(r)
                 if last is None or last[0] != prog:
                     self._moved[r] = last = (prog, now)
-                fresh = time.time() - t < max(5 * self.BUSY_EVERY, self.timeout)
+                fresh = now - t < max(5 * self.BUSY_EVERY, self.timeout)
                 if fresh and now - last[1] < self.timeout:
                     continue          # still at it: wait on
-                what = f"{what[5:]}, {prog} examples, no progress for {now - last[1]:.0f} s"
+                what = (f"{what[5:]}, {prog} items, no progress for {now - last[1]:.0f} s" if fresh else
+                        f"{what[5:]}, {prog} items, no heartbeat for {now - t:.0f} s")
             out.append((r, step, what))
         return out
 
@@ -178,7 +191,7 @@ class Watchdog:
             what, step = self._what
             late = self.behind()
             if late:
-                who = "; ".join(f"rank {r} stopped answering (still {w})" if "no progress" in w else
+                who = "; ".join(f"rank {r} stopped answering (still {w})" if " items, no " in w else
                                 f"rank {r} stopped answering (its last collective: {w} at outer step {s})"
                                 if s >= 0 else f"rank {r} stopped answering (no heartbeat)" for r, s, w in late)
             else:

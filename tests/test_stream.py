@@ -201,6 +201,49 @@ def test_corrupt_image_one_line_or_skipped_and_counted(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert last.startswith("error: ") and "zz-bad.jpg: unreadable or corrupt image (OSError)" in last
+    # skipped: counted in summary.json, and in every checkpoint (a resume goes on counting from it)
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/fashion_parle.yaml", "data.name=folder",
+                        f"data.dir={d}", "data.image_size=28", "data.stream=true", "data.skip_corrupt=true",
+                        "train.batch_size=6", "parle.sync_period=5", "train.epochs=2", "run.ckpt_every=1",
+                        "run.tensorboard=false", f"run.dir={tmp_path / 'skip'}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "skip/summary.json").read_text())
+    assert s["data_corrupt_skipped"] == 2                    # two passes, the bad file once in each
+    cks = sorted((tmp_path / "skip").rglob("rank-0.pt"))
+    assert cks and torch.load(cks[-1], weights_only=True)["data_skipped"] == 2
+
+
+class _UserSet(torch.utils.data.Dataset):
+    """A user's dataset: a label a tensor cannot hold, a worker that dies, or (its lambda)
+    one that cannot be pickled for a spawned worker."""
+
+    def __init__(self, how):
+        self.how, self.f = how, (lambda: 0)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if self.how == "die":
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.zeros(2), ("seven" if self.how == "label" else 1)
+
+
+@pytest.mark.parametrize("how,context,msg", [
+    ("label", "fork", r"^data: decoding a batch raised (TypeError|ValueError)"),
+    ("die", "fork", r"^data.workers \(train\): DataLoader worker \(pid"),
+    ("ok", "spawn", r"^data.worker_start: the dataset cannot be sent to a worker process"),
+])
+def test_a_workers_failure_is_one_line(how, context, msg):
+    from parle_hvd.stream import StreamedData, Table
+    t = Table("target", list(range(8)), None, ds=_UserSet(how))
+    d = StreamedData("t", t, t, None, 2, None, None, (2,), input_dtype="float32", workers=1, context=context)
+    with pytest.raises(DataError, match=msg) as e:
+        list(train_examples(d, [[0, 1, 2, 3]]))
+    assert "\n" not in str(e.value)
 
 
 def test_stream_auto_follows_the_memory_limit(tmp_path):
@@ -248,6 +291,25 @@ def test_stream_config_combinations():
     assert make_config(None, ["data.augment=false"]).data.augment == "off"
 
 
+def test_loading_counts_progress_before_any_image_is_decoded(tmp_path):
+    """The heartbeat's count moves while a folder is listed, headers are read and shards are
+    scanned (a million files take minutes of that before the first decode)."""
+    from parle_hvd import data as D
+    d = write_images(tmp_path / "f", per_class=(5, 2))           # 3 classes: 21 files
+    c = shards.write(str(d), str(tmp_path / "s"), per_shard=4, seed=3)
+    p0 = D.PROGRESS[0]
+    _, train, test = D.folder_split(str(d))
+    assert D.PROGRESS[0] - p0 == 21
+    p0 = D.PROGRESS[0]
+    D.is_gray(f for f, _ in train)
+    assert D.PROGRESS[0] - p0 == 15
+    for f in shards.shard_files(tmp_path / "s/train"):
+        f.with_name(f.name[:-4] + ".idx.json").unlink()          # scan the tar's headers
+    p0 = D.PROGRESS[0]
+    shards.read_shards(str(tmp_path / "s"))
+    assert D.PROGRESS[0] - p0 >= 2 * c["train"] + c["test"]        # every .jpg and .cls member, and the index
+
+
 def test_watchdog_waits_on_a_loading_rank_while_it_makes_progress(tmp_path):
     """A busy rank's heartbeat carries a progress count: behind it, but moving, it is not
     named; once its count stops for dist.timeout it is, with what it was doing."""
@@ -266,9 +328,31 @@ def test_watchdog_waits_on_a_loading_rank_while_it_makes_progress(tmp_path):
             assert me.behind() == [] and me.waiting_on_busy()
         time.sleep(1.3)                        # stuck: no progress for longer than the timeout
         late = me.behind()
-    assert len(late) == 1 and late[0][0] == 1 and "loading data, 15 examples, no progress for" in late[0][2]
+    assert len(late) == 1 and late[0][0] == 1 and "loading data, 15 items, no progress for" in late[0][2]
     assert not me._read(1)[2].startswith("busy:")      # the block ended: rank 1 is an ordinary late rank now
     assert me.behind() == [(1, 0, "none")] and not me.waiting_on_busy()
+
+
+def test_watchdog_judges_heartbeats_by_its_own_clock(tmp_path):
+    """Rank 1's host clock is days behind (its heartbeats carry that time): while its lines
+    keep changing it is alive; once they stop for dist.timeout, it is named for that. An
+    elastic reset forgets what was seen of the old world's ranks."""
+    me = Watchdog(0, 0, 2)
+    me.timeout, me.BUSY_EVERY = 0.6, 0.1       # a heartbeat older than max(5 beats, timeout) is stale
+    me.attach(tmp_path)
+    me._n = 1
+    hb = tmp_path / ".heartbeat/rank-1"
+    skewed = 1000.0                            # 1970: another host's clock, not ours
+    for i in range(10):                        # 1 s > timeout: beats and progress, a skewed clock
+        hb.write_text(f"0 0 busy:loading_data {skewed + i:.3f} {i}\n")
+        assert me.behind() == [] and me.waiting_on_busy()
+        time.sleep(0.1)
+    time.sleep(0.8)                            # the heartbeat stops (the same line, read again)
+    late = me.behind()
+    assert len(late) == 1 and "loading data, 9 items, no heartbeat for" in late[0][2], late
+    assert me._moved and me._beats
+    me.reset(0, 2)
+    assert me._moved == {} and me._beats == {} and me._n == 0
 
 
 def test_a_streamed_run_that_fails_mid_training_exits_without_hanging(tmp_path):
