@@ -457,8 +457,6 @@ def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, see
     return Dataset("folder", xtr, ytr, xte, yte, len(classes), *st.result())
 
 
-
-
 LOADERS = {"fashion-mnist": lambda c, seed: load_idx_dataset("fashion-mnist", c.dir),
            "mnist": lambda c, seed: load_idx_dataset("mnist", c.dir),
            "cifar10": lambda c, seed: load_cifar("cifar10", c.dir),

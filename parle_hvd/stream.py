@@ -35,6 +35,7 @@ the workers decode its bytes.
 from __future__ import annotations
 
 import atexit
+import pickle
 import random
 import signal
 import sys
@@ -255,7 +256,6 @@ class _Batched:
         self.dl, self.where, self.it = dl, where, None
 
     def _fail(self, e: Exception):
-        import pickle
         msg = str(e)
         if isinstance(e, RuntimeError) and "DataLoader worker" in msg:
             return DataError(f"data.workers ({self.where}): {msg}".splitlines()[0])
@@ -269,7 +269,6 @@ class _Batched:
         return self
 
     def __next__(self):
-        import pickle
         try:
             if self.it is None:
                 self.it = iter(self.dl)          # starts the workers (and pickles the dataset for them)
