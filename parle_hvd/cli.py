@@ -62,13 +62,21 @@ def main(argv=None) -> int:
     if hasattr(signal, "SIGXFSZ"):
         # a file-size limit makes writes fail with EFBIG (reported below) instead of killing us
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    overrides = (list(args.overrides) + (["run.resume=true"] if args.resume else [])
+                 + (["dist.elastic=true"] if args.elastic else []))
     try:
-        from .checkpoint import CheckpointError
-        from .data import DataError
-        from .trainer import DivergenceError, RunError, train
-        overrides = (list(args.overrides) + (["run.resume=true"] if args.resume else [])
-                     + (["dist.elastic=true"] if args.elastic else []))
+        # the config is checked before torch is imported (1-3 s): a typo costs a tenth of a second
         cfg = make_config(args.config, overrides)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            _let_rank0_speak()
+        return 2
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .trainer import DivergenceError, RunError, train
+    try:
         train(cfg)
     except (ConfigError, DataError, RunError, CheckpointError) as e:
         if rank == 0 or isinstance(e, CheckpointError):
