@@ -134,8 +134,17 @@ class TorchEngine:
             # a dead one published (seen here: "connectFullMesh failed ... Connection refused").
             agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             # (the store waits at most 30 min for every rank to arrive, torch's own default)
-            store = dist.TCPStore(w["addr"], int(w["port"]), w["size"], is_master=not agent and w["rank"] == 0,
-                                  timeout=min(td, datetime.timedelta(minutes=30)), multi_tenant=not agent)
+            try:
+                store = dist.TCPStore(w["addr"], int(w["port"]), w["size"], is_master=not agent and w["rank"] == 0,
+                                      timeout=min(td, datetime.timedelta(minutes=30)), multi_tenant=not agent)
+            except dist.DistNetworkError as e:
+                if "EADDRINUSE" not in str(e):
+                    raise
+                # No retry on another port: the other ranks derive the same one and would
+                # wait at it for 30 minutes.
+                how = "MASTER_PORT" if os.environ.get("MASTER_PORT") else f"derived from the job id ({w['source']})"
+                raise WorldError(f"dist.engine=torch: port {w['port']} on {w['addr']} ({how}) is already in use "
+                                 f"by another process; export MASTER_PORT=<a free port> on every rank") from None
             store = dist.PrefixStore(f"parle_hvd/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
             dist.init_process_group(self.backend, store=store, rank=w["rank"], world_size=w["size"], timeout=td)
         self.gpu_backend = gpu_backend if cuda else None

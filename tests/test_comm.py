@@ -142,6 +142,27 @@ def test_engine_follows_the_launcher_and_refuses_what_cannot_work(bare_env):
         comm.resolve_engine("auto")
 
 
+def test_torch_engine_port_in_use_is_one_line(bare_env):
+    """A port another process holds (a stale job, another user's) ends in one line that names
+    it and the fix, not torch's DistNetworkError traceback; no silent retry on another port,
+    which the other ranks could not know."""
+    import socket
+    import torch.distributed as dist
+    from parle_hvd.torchdist import TorchEngine, WorldError
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            bare_env.setenv(k, v)
+        with pytest.raises(WorldError, match=rf"port {port} on 127.0.0.1 \(MASTER_PORT\) is already in use.*"
+                                             r"export MASTER_PORT=<a free port> on every rank"):
+            TorchEngine(timeout=5)
+    assert not dist.is_initialized()
+
+
 def test_torch_world_from_openmpi_slurm_and_pmi_variables(bare_env):
     from parle_hvd.torchdist import WorldError, world_from_env
     for k, v in dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1",
