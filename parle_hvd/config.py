@@ -62,7 +62,9 @@ class DataConfig:
     workers: int = _f(2, "streamed: DataLoader worker processes per rank decoding examples (0: in the training process)")
     prefetch: int = _f(2, "streamed: batches each worker decodes ahead")
     pin_memory: bool = _f(True, "streamed, on a GPU: page-locked batches, copied to the device without blocking")
-    worker_start: str = _f("fork", "streamed: how workers start (multiprocessing context)", ["fork", "spawn", "forkserver"])
+    worker_start: str = _f("auto", "streamed: how workers start (multiprocessing context); auto: forkserver under "
+                           "Horovod's MPI controller (fork after MPI_Init is unsafe with InfiniBand), else fork",
+                           ["auto", "fork", "spawn", "forkserver"])
     stats_sample: int = _f(2000, "folder, shards: normalisation mean/std from this many training images "
                            "(a fixed sample by train.seed; all when fewer); saved in final.json")
     skip_corrupt: bool = _f(False, "streamed: an unreadable image is replaced by the next readable one and "

@@ -35,6 +35,7 @@ the workers decode its bytes.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import pickle
 import random
 import signal
@@ -284,7 +285,11 @@ def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.dat
     (the replica's dropout and Langevin noise draw from it)."""
     kw = dict(num_workers=d.workers, collate_fn=_identity, pin_memory=d.pin, generator=torch.Generator())
     if d.workers:
-        kw.update(prefetch_factor=d.prefetch, multiprocessing_context=d.context, worker_init_fn=_worker_init)
+        ctx = "fork" if d.context == "auto" else d.context
+        if ctx == "forkserver":
+            # the server imports torch and the decoders once; each worker forks from it
+            multiprocessing.set_forkserver_preload(["parle_hvd.stream"])
+        kw.update(prefetch_factor=d.prefetch, multiprocessing_context=ctx, worker_init_fn=_worker_init)
     return _Loader(Decoder(d, table, mode), batch_sampler=batches, **kw)
 
 

@@ -100,6 +100,39 @@ def test_imagenet_recipe_is_independent_of_workers_and_resumes_at_a_position(tmp
     assert not torch.equal(take(feed(ds0, c0, replica=1), 1)[0][0], a[0][0])
 
 
+def test_imagenet_recipe_run_leaves_a_final_pt_usable_alone(tmp_path):
+    """train.py with the ImageNet recipe on images of mixed sizes and modes: final.json says
+    how a test image becomes the model's input (the shorter side resized, the central crop,
+    the statistics of the training sample), and final.pt with that card alone gives the
+    run's own test accuracy, image for image."""
+    from parle_hvd.data import folder_split, to_input
+    from parle_hvd.models import build_model
+    d = write_images(tmp_path / "f", modes=("RGB", "L", "P", "RGBA"))
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "train.py", "--config", "configs/fashion_parle.yaml", "data.name=folder",
+                        f"data.dir={d}", "data.image_size=28", "data.augment=imagenet", "data.workers=1",
+                        "train.batch_size=6", "parle.sync_period=5", "train.epochs=2", "run.tensorboard=false",
+                        f"run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s, card = (json.loads((run / f).read_text()) for f in ("summary.json", "final.json"))
+    inp = card["input"]
+    assert s["data_streamed"] and inp["shape"] == [3, 28, 28] and inp["crop_frac"] == 0.875
+    assert "central" in inp["resize"] and len(inp["mean"]) == len(inp["std"]) == 3
+    net = build_model(card["model"]["name"], num_classes=card["num_classes"], in_channels=3, image_size=28)
+    net.load_state_dict(torch.load(run / "final.pt", weights_only=True))
+    _, _, test = folder_split(str(d))
+    x = torch.stack([torch.from_numpy(decode_image(f, size=28, gray=False, recipe="eval",
+                                                   crop_frac=inp["crop_frac"])) for f, _ in test])
+    y = torch.tensor([label for _, label in test])
+    with torch.no_grad():
+        logits = net.eval()(to_input(x, inp["mean"], inp["std"]))
+    right = int((logits.argmax(1) == y).sum())
+    assert len(test) == 12 and right / len(test) == pytest.approx(s["test_accuracy"], abs=1e-12), (right, s)
+    # the mean loss too, which any other crop, resize or statistics would move
+    loss = float(torch.nn.functional.cross_entropy(logits.double(), y))
+    assert loss == pytest.approx(s["test_loss"], rel=1e-5), (loss, s["test_loss"])
+
+
 def test_rrc_and_center_crop_boxes():
     rng = random.Random(3)
     fracs = []

@@ -42,21 +42,25 @@ def final(d):
     return torch.load(d / "final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("algo", ["parle", "dpsgd"])
-def test_streamed_resume_after_kill9_mid_pass_is_bit_identical(tmp_path, folder, algo):
+@pytest.mark.parametrize("algo,controller", [("parle", "gloo"), ("dpsgd", "mpi")])
+def test_streamed_resume_after_kill9_mid_pass_is_bit_identical(tmp_path, folder, algo, controller):
+    """Under mpirun, data.worker_start=auto starts the workers from a fork server (no fork
+    after MPI_Init): the killed rank's workers end with it, and the resumed run's workers
+    start at the saved position all the same."""
     a, b = tmp_path / "a", tmp_path / "b"
-    run_ranks(TRAIN, controller="gloo", args=args(folder, algo, a), timeout=300, reports=False)
-    job = RankJob([TRAIN, *args(folder, algo, b)], controller="gloo")
+    run_ranks(TRAIN, controller=controller, args=args(folder, algo, a), timeout=300, reports=False)
+    job = RankJob([TRAIN, *args(folder, algo, b)], controller=controller)
     killed_at = kill9_after_first_checkpoint(job, b)
     s_a = json.loads((a / "summary.json").read_text())
     assert not (b / "summary.json").exists() and killed_at < s_a["outer_steps"]
     nb = 40 if algo == "parle" else 20           # batches per pass: all 2560 (parle), or a rank's half (dpsgd)
     assert (killed_at * 5) % nb != 0             # the checkpoint is in the middle of a pass
-    out = run_ranks(TRAIN, controller="gloo", args=args(folder, algo, b, "run.resume=true"), timeout=300,
+    out = run_ranks(TRAIN, controller=controller, args=args(folder, algo, b, "run.resume=true"), timeout=300,
                     reports=False)
     assert "resumed from checkpoint step" in out[0]["_output"]
     s_b = json.loads((b / "summary.json").read_text())
     assert s_a["data_streamed"] and s_a["data_workers"] == 2 and s_b["resumed_from"] >= killed_at
+    assert s_a["controller"] == controller and s_a["data_worker_start"] == {"gloo": "fork", "mpi": "forkserver"}[controller]
     fa, fb = final(a), final(b)
     for k in fa:
         assert torch.equal(fa[k], fb[k]), k
