@@ -201,6 +201,19 @@ def test_shards_round_trip_and_give_the_folders_samples_per_pass(tmp_path):
         seen = sorted(key(x, y) for xb, yb in take(f, 6) for x, y in zip(xb, yb))
         assert seen == folder
     f.close()
+    # resumed in the middle of a pass (4 of its 6 batches taken), across the next pass's start
+    mk = lambda: StreamFeed(sh, ShardSampler(per_shard, windows[0], 6, seed=42, rank=0, nb=6, group=2),
+                            augment="off", aug_gen=None, dev=CPU, replica=0, seed=42)
+    f = mk()
+    take(f, 4)
+    saved = f.sampler.state_dict()
+    rest = take(f, 5)
+    g = mk()
+    g.sampler.load_state_dict(saved)
+    g.reset()
+    assert all(torch.equal(x, y) and torch.equal(a, b) for (x, a), (y, b) in zip(rest, take(g, 5)))
+    f.close()
+    g.close()
     _, w2 = shard_windows(sh, world=2, split="frac", frac=0.5, seed=42)
     assert not set(w2[0]) & set(w2[1]) and sorted(w2[0] + w2[1]) == list(range(8))
 
