@@ -356,9 +356,13 @@ def eval_batches(ds, which: str, lo: int, hi: int, batch_size: int):
         return
     table = ds.test if which == "test" else ds.val
     spans = [[(i, 0, None) for i in range(a, min(a + batch_size, hi))] for a in range(lo, hi, batch_size)]
-    for b in _Batched(loader(ds, table, "eval", spans), which):
-        b = _check(b, which)
-        yield b["x"], b["y"]
+    batched = _Batched(loader(ds, table, "eval", spans), which)
+    try:
+        for b in batched:
+            b = _check(b, which)
+            yield b["x"], b["y"]
+    finally:
+        batched.close()                  # a caller that stops early ends the workers now
 
 
 def train_examples(ds, batches: list):
@@ -368,9 +372,13 @@ def train_examples(ds, batches: list):
         for idx in batches:
             yield ds.train_x[idx], ds.train_y[idx]
         return
-    for b in _Batched(loader(ds, ds.train, "eval", [[(int(i), 0, None) for i in idx] for idx in batches]), "train"):
-        b = _check(b, "train")
-        yield b["x"], b["y"]
+    batched = _Batched(loader(ds, ds.train, "eval", [[(int(i), 0, None) for i in idx] for idx in batches]), "train")
+    try:
+        for b in batched:
+            b = _check(b, "train")
+            yield b["x"], b["y"]
+    finally:
+        batched.close()
 
 
 # --------------------------------------------------------------------------- shards' order
@@ -469,19 +477,18 @@ class MemoryFeed:
     close = reset
 
 
-class StreamFeed:
-    """Streamed: a DataLoader over the sampler's batches from its position. The trainer's
-    ``next()`` advances the sampler; the workers may have decoded further ahead, but a
-    checkpoint saves the position taken, so a resume restarts the workers there."""
+class _Items:
+    """A replica's stream of item lists for the DataLoader's ``batch_sampler``: (index,
+    crop seed, the image's bytes for shards). Apart from the feed on purpose: a generator
+    of the feed's own would close a reference cycle through the DataLoader, and a cycle is
+    freed by the garbage collector, which runs the multiprocessing queues' finalizers before
+    the DataLoader's: its workers then never hear the shutdown and each costs 10 s (seen here)."""
 
-    def __init__(self, ds: StreamedData, sampler, *, augment: str, aug_gen, dev, replica: int, seed: int):
-        self.ds, self.sampler, self.augment, self.aug_gen, self.dev = ds, sampler, augment, aug_gen, dev
-        self.replica, self.seed = replica, seed
-        self._it = None
-        self.skipped = 0
-        self._pool: Optional[ThreadPoolExecutor] = None
+    def __init__(self, ds: StreamedData, sampler, *, replica: int, seed: int):
+        self.ds, self.sampler, self.replica, self.seed = ds, sampler, replica, seed
+        self.pool: Optional[ThreadPoolExecutor] = None
 
-    def _items(self, epoch: int, pos: int):
+    def __call__(self, epoch: int, pos: int):
         B, tag = self.sampler.batch_size, ("rrc", self.seed, self.replica)
         if isinstance(self.sampler, ShardSampler):
             yield from self._shard_items(epoch, pos)
@@ -502,7 +509,7 @@ class StreamFeed:
         """Batches with each example's bytes, sliced from whole shards read in order; the next
         group is read by a thread while this one is served."""
         B, t = self.sampler.batch_size, self.ds.train
-        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="parle-shards")
+        self.pool = self.pool or ThreadPoolExecutor(1, thread_name_prefix="parle-shards")
         cache, ahead, key = {}, {}, None
         for e, p, idx, groups, gid in self.sampler.batches_from(epoch, pos):
             if key != e:                  # a new pass: a new plan, nothing of the old one kept
@@ -513,10 +520,10 @@ class StreamFeed:
                     del cache[g]
             for g in need:
                 if g not in cache:
-                    cache[g] = (ahead.pop(g) if g in ahead else self._pool.submit(self._read_group, groups[g])).result()
+                    cache[g] = (ahead.pop(g) if g in ahead else self.pool.submit(self._read_group, groups[g])).result()
             nxt = need[-1] + 1
             if nxt < len(groups) and nxt not in ahead and nxt not in cache:
-                ahead[nxt] = self._pool.submit(self._read_group, groups[nxt])
+                ahead[nxt] = self.pool.submit(self._read_group, groups[nxt])
             items = []
             for j, (i, g) in enumerate(zip(idx.tolist(), gid.tolist())):
                 s, off, size = t.shard_row(i)
@@ -524,10 +531,28 @@ class StreamFeed:
                               cache[g][s][off:off + size]))
             yield items
 
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+
+class StreamFeed:
+    """Streamed: a DataLoader over the sampler's batches from its position. The trainer's
+    ``next()`` advances the sampler; the workers may have decoded further ahead, but a
+    checkpoint saves the position taken, so a resume restarts the workers there."""
+
+    def __init__(self, ds: StreamedData, sampler, *, augment: str, aug_gen, dev, replica: int, seed: int):
+        self.ds, self.sampler, self.augment, self.aug_gen, self.dev = ds, sampler, augment, aug_gen, dev
+        self.replica, self.seed = replica, seed
+        self._it = None
+        self.skipped = 0
+        self._items = _Items(ds, sampler, replica=replica, seed=seed)
+
     def next(self) -> tuple:
         if self._it is None:
-            e, p = self.sampler.epoch, self.sampler.pos
-            self._it = _Batched(loader(self.ds, self.ds.train, "train", _Batches(lambda: self._items(e, p))),
+            e, p, items = self.sampler.epoch, self.sampler.pos, self._items
+            self._it = _Batched(loader(self.ds, self.ds.train, "train", _Batches(lambda: items(e, p))),
                                 f"replica {self.replica}")
         b = _check(next(self._it), f"replica {self.replica}")
         self.sampler.advance()
@@ -540,15 +565,13 @@ class StreamFeed:
     def reset(self) -> None:
         """Forget the workers' prefetched batches (after the sampler's state was loaded):
         the next batch restarts them at the sampler's position."""
-        self._it = None
+        self.close()
 
     def close(self) -> None:
         it, self._it = self._it, None
         if it is not None:
-            it.close()                   # the workers end now, not at interpreter exit
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            it.close()                   # the workers end now, not when the feed is freed
+        self._items.close()
 
 
 def make_feed(ds, sampler, *, augment: str, aug_gen, dev, replica: int, seed: int):

@@ -258,6 +258,37 @@ def test_shard_sampler_orders_differ_by_replica_and_pass():
         assert set((order[gid == g] // 10).tolist()) == set(members)
 
 
+def test_a_feed_or_generator_dropped_mid_pass_ends_its_workers_at_once(tmp_path):
+    """A feed dropped in the middle of a pass without close() (a user's loop that breaks
+    out), or an evaluation generator left after one batch: the workers are joined as it is
+    freed, with the garbage collector off. (A reference cycle through the DataLoader left
+    them to the collector, which closes the queues first: 10 s per worker, seen here.)"""
+    import gc
+    import psutil
+    d = write_images(tmp_path / "f")
+    c = cfg_of(d, "data.stream=true", "data.workers=2")
+    ds = load_data(c)
+    me = psutil.Process()
+    alive = lambda: [p for p in me.children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    before = {p.pid for p in alive()}
+    gc.disable()
+    try:
+        f = feed(ds, c)
+        take(f, 3)
+        started = [p for p in alive() if p.pid not in before]
+        assert len(started) == 2
+        del f
+        assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        g = train_examples(ds, [[0, 1], [2, 3], [4, 5]])
+        next(g)
+        started = [p for p in alive() if p.pid not in before]
+        assert len(started) == 2
+        del g
+        assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        gc.enable()
+
+
 def test_corrupt_image_one_line_or_skipped_and_counted(tmp_path):
     d = write_images(tmp_path / "f")
     (d / "train/k1/zz-bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
