@@ -31,6 +31,7 @@ Wire formats:
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import sys
@@ -281,6 +282,11 @@ def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, 
     already does, or Gloo's timeout a minute after it under torch.distributed; the
     trainer's watchdog acts first. ``gpu_backend``: torch.distributed's for CUDA tensors."""
     global _eng, _init_called
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # a DataLoader worker started by forkserver or spawn imports the main script again
+        raise EngineError("a DataLoader worker (data.worker_start=forkserver or spawn; auto under mpirun) ran the "
+                          "training script again: put its code under `if __name__ == \"__main__\":`, or set "
+                          "data.worker_start=fork")
     if backend not in ("auto", "horovod", "none"):
         raise ValueError(f"dist.backend must be auto, horovod or none, not {backend!r}")
     if _eng is None and (backend == "horovod" or (backend == "auto" and launched())):

@@ -142,6 +142,17 @@ def test_engine_follows_the_launcher_and_refuses_what_cannot_work(bare_env):
         comm.resolve_engine("auto")
 
 
+def test_a_script_imported_again_by_a_worker_does_not_join_the_world(monkeypatch):
+    """forkserver and spawn workers (data.worker_start=auto under mpirun) import the main
+    script again; one without a __main__ guard would reach init, and MPI_Init in a worker
+    aborts the job with MPI's own lines. It is one line saying what to do instead."""
+    import multiprocessing
+    from parle_hvd import comm
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(comm.EngineError, match=r'if __name__ == "__main__":.*data.worker_start=fork'):
+        comm.init("auto")
+
+
 def test_torch_engine_port_in_use_is_one_line(bare_env):
     """A port another process holds (a stale job, another user's) ends in one line that names
     it and the fix, not torch's DistNetworkError traceback; no silent retry on another port,

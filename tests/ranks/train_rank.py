@@ -6,12 +6,18 @@ import sys
 
 from parle_hvd.cli import _rank_from_env, main
 
-args = sys.argv[1:]
-if _rank_from_env() == 1 and os.environ.get("PARLE_TEST_RANK1_OVERRIDES"):
-    args += os.environ["PARLE_TEST_RANK1_OVERRIDES"].split()
-if _rank_from_env() == 1 and os.environ.get("PARLE_TEST_RANK1_FSIZE"):
-    # a full disk on rank 1 only: its files may not grow beyond this many bytes
-    import resource
-    n = int(os.environ["PARLE_TEST_RANK1_FSIZE"])
-    resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
-sys.exit(main(args))
+
+def run() -> int:
+    args = sys.argv[1:]
+    if _rank_from_env() == 1 and os.environ.get("PARLE_TEST_RANK1_OVERRIDES"):
+        args += os.environ["PARLE_TEST_RANK1_OVERRIDES"].split()
+    if _rank_from_env() == 1 and os.environ.get("PARLE_TEST_RANK1_FSIZE"):
+        # a full disk on rank 1 only: its files may not grow beyond this many bytes
+        import resource
+        n = int(os.environ["PARLE_TEST_RANK1_FSIZE"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+    return main(args)
+
+
+if __name__ == "__main__":      # forkserver's DataLoader workers import this file again
+    sys.exit(run())
