@@ -93,16 +93,6 @@ def streams(cfg: Config, parts=None) -> bool:
     return stream.decoded_bytes(d, cfg.train.seed, parts) > d.memory_limit * stream.GiB
 
 
-def worker_start(want: str) -> str:
-    """``data.worker_start=auto``: forkserver where this process has called MPI_Init (Horovod's
-    MPI controller), as Horovod's own examples do: a fork after it is unsafe with InfiniBand
-    verbs and some other transports (Open MPI warns of it). fork everywhere else: the fastest
-    start, and the dataset need not pickle."""
-    if want != "auto":
-        return want
-    return "forkserver" if comm.controller() == "mpi" else "fork"
-
-
 def load_data(cfg: Config):
     """The dataset (built in, or data.target's), with its limits and validation split: in
     memory (data.Dataset), or streamed (stream.StreamedData) when ``streams(cfg)``."""
@@ -120,7 +110,6 @@ def _load_data(cfg: Config):
         if d.target and not ds.num_classes and not cfg.model.target:
             raise RunError(f"model.name: {cfg.model.name} needs the number of classes, which a streamed data.target "
                            f"does not give (give the training set a `classes` list, or set model.target)")
-        ds.context = worker_start(d.worker_start)
         return stream.limit(ds, d, cfg.train.seed)
     if d.target:
         ds = load_user_dataset(d.target, d.kwargs, parts)

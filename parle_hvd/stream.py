@@ -35,6 +35,7 @@ the workers decode its bytes.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import multiprocessing
 import pickle
 import random
@@ -184,6 +185,11 @@ class Decoder(torch.utils.data.Dataset):
     def __init__(self, d: StreamedData, table: Table, mode: str):
         self.d, self.t, self.mode = d, table, mode
 
+    def __getstate__(self) -> dict:
+        # what a forkserver or spawn worker is sent: its own table and the options, not
+        # every split's (a million training paths sent to each worker of each evaluation)
+        return {**self.__dict__, "d": dataclasses.replace(self.d, train=None, test=None, val=None)}
+
     def __len__(self) -> int:
         return len(self.t)
 
@@ -279,13 +285,24 @@ class _Batches:
         return self.fn()
 
 
+def worker_start(want: str) -> str:
+    """``data.worker_start=auto``: forkserver where this process has called MPI_Init (Horovod's
+    MPI controller), as Horovod's own examples do: a fork after it is unsafe with InfiniBand
+    verbs and some other transports (Open MPI warns of it). fork everywhere else: the fastest
+    start, and the dataset need not pickle. (Asked when the workers start: after comm.init.)"""
+    if want != "auto":
+        return want
+    from . import comm                   # a question, not a collective
+    return "forkserver" if comm.controller() == "mpi" else "fork"
+
+
 def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.data.DataLoader:
     """A DataLoader decoding ``batches`` (an iterable of item lists) of ``table``.
     ``generator``: its own, so that starting workers draws nothing from the global stream
     (the replica's dropout and Langevin noise draw from it)."""
     kw = dict(num_workers=d.workers, collate_fn=_identity, pin_memory=d.pin, generator=torch.Generator())
     if d.workers:
-        ctx = "fork" if d.context == "auto" else d.context
+        ctx = worker_start(d.context)
         if ctx == "forkserver":
             # the server imports torch and the decoders once; each worker forks from it
             multiprocessing.set_forkserver_preload(["parle_hvd.stream"])
@@ -611,7 +628,7 @@ def _image_tables(c, seed: int) -> tuple:
 
 def _options(c) -> dict:
     return dict(workers=c.workers, prefetch=c.prefetch, pin=c.pin_memory and torch.cuda.is_available(),
-                context=c.worker_start, skip_corrupt=c.skip_corrupt, shuffle_shards=c.shuffle_shards,
+                context=worker_start(c.worker_start), skip_corrupt=c.skip_corrupt, shuffle_shards=c.shuffle_shards,
                 crop_frac=c.crop_frac)
 
 

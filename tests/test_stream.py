@@ -245,6 +245,12 @@ def test_tables_are_packed_buffers_the_workers_share():
     assert {s: v.tolist() for s, v in per_shard.items()} == loop
     tt = Table("target", list(range(5)), None)
     assert tt.refs.dtype == np.int64 and tt.subset([4, 1]).name(0) == "example 4"
+    # a forkserver or spawn worker is sent its own table and the options, not every split
+    from parle_hvd.stream import Decoder, StreamedData
+    d = StreamedData("folder", t, sub, None, 3, (0.5,), (0.2,), (3, 8, 8), size=8)
+    dec = pickle.loads(pickle.dumps(Decoder(d, sub, "eval")))
+    assert dec.d.train is None and dec.d.test is None and dec.d.size == 8 and list(dec.t.refs) == list(sub.refs)
+    assert d.train is t                                       # the rank's own copy is untouched
 
 
 def test_shard_sampler_orders_differ_by_replica_and_pass():

@@ -1,6 +1,6 @@
-"""Streamed data on 2 ranks (horovodrun --gloo): a run killed with -9 in the middle of a pass
-(DataLoader workers on) and resumed ends with the uninterrupted run's weights, bit for bit,
-for Parle and dpsgd; a streamed image folder trains to the same weights and accuracy as the
+"""Streamed data on 2 ranks (horovodrun --gloo; mpirun for dpsgd): a run killed with -9 in the
+middle of a pass (DataLoader workers on) and resumed ends with the uninterrupted run's weights,
+bit for bit, for Parle and dpsgd; a streamed image folder trains to the same weights and accuracy as the
 same folder held in memory; a rank still loading its data is waited for, a stuck one named."""
 import json
 from pathlib import Path
