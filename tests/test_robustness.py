@@ -394,17 +394,33 @@ def _run_dirs() -> set:
     return set((ROOT / "runs").iterdir()) if (ROOT / "runs").is_dir() else set()
 
 
+def _refuse(name, args, cwd=ROOT):
+    """train.py with a bad input, run from ``cwd`` (where a default run.dir, runs/..., would go)."""
+    argv = [*args[:2], *SMALL[:2], *args[2:]] if args[:1] == ["--config"] else [*CFG, *SMALL[:2], *args]
+    argv = [str(ROOT / a) if a == CFG[1] else a for a in argv]
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, "dist.backend=none", "run.progress=lines"],
+                          cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          preexec_fn=_limit_fsize if "full disk" in name else None)
+
+
 def test_bad_input_table(tmp_path, finished_run, two_rank_checkpoint):
     cases = _bad_cases(tmp_path, finished_run, two_rank_checkpoint)
     assert len(cases) >= 15
     runs_before = _run_dirs()
-    for name, args, needle, protect in cases:
+    # Cases with nothing to protect run two at a time (each is mostly torch's import, on one
+    # core), each from its own directory, so that a run directory one of them left behind
+    # (runs/... by default) is its own; those that must leave a run untouched run alone.
+    from concurrent.futures import ThreadPoolExecutor
+    free = [(c, tmp_path / f"cwd{i}") for i, c in enumerate(cases) if c[3] is None]
+    for _, cwd in free:
+        cwd.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda c: (_refuse(c[0][0], c[0][1], c[1]), c[1]), free))
+    results = [(c, r) for (c, _), r in zip(free, done)] + [(c, None) for c in cases if c[3] is not None]
+    for (name, args, needle, protect), r in results:
         before = _digest(protect) if protect else None
-        argv = [*args[:2], *SMALL[:2], *args[2:]] if args[:1] == ["--config"] else [*CFG, *SMALL[:2], *args]
-        r = subprocess.run([sys.executable, "train.py", *argv, "dist.backend=none", "run.progress=lines"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)},
-                           preexec_fn=_limit_fsize if "full disk" in name else None)
+        r, cwd = r or (_refuse(name, args), None)
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         assert r.returncode == 2, (name, r.returncode, r.stderr[-2000:])
         assert "Traceback" not in r.stderr and len(lines) == 1 and lines[0].startswith("error: "), (name, r.stderr)
@@ -418,6 +434,7 @@ def test_bad_input_table(tmp_path, finished_run, two_rank_checkpoint):
             assert {k: after.get(k) for k in keep} == {k: before[k] for k in keep}, f"{name}: a file was changed"
         # a run that failed before it started leaves no (empty) run directory behind
         assert _run_dirs() == runs_before, (name, _run_dirs() - runs_before)
+        assert cwd is None or list(cwd.iterdir()) == [], (name, list(cwd.iterdir()))
     new_dir = tmp_path / "new"             # a run.dir this start created, then refused: removed again
     r = subprocess.run([sys.executable, "train.py", *CFG, f"run.dir={new_dir}", "run.resume=true",
                         "dist.backend=none"], cwd=ROOT, capture_output=True, text=True, timeout=120,
