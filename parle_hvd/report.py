@@ -14,7 +14,7 @@ COL = {c: i for i, c in enumerate(SLOT)}
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (Dynamo's own counter): one
     for training, one more for eval mode; every later one is a recompile."""
-    import torch._dynamo.utils as du   # imported by trainer.py already (cheap here)
+    import torch._dynamo.utils as du   # torch.optim imported Dynamo already (cheap here)
     return int(du.counters["stats"]["unique_graphs"])
 
 

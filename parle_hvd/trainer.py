@@ -31,10 +31,6 @@ import time
 from typing import Optional
 
 import torch
-# torch.optim.Optimizer imports torch._dynamo on first use, 2-3 s here: paid now, before the
-# first collective, rather than between the end of loading and the first sync, where a
-# waiting rank counts it against dist.timeout.
-import torch._dynamo  # noqa: F401
 
 from . import checkpoint, comm, report
 from .report import COL
@@ -52,6 +48,14 @@ from .membership import Membership, run_torchrun_elastic
 from .optim import DistributedOptimizer, SyncReport, _injected
 from .rundir import RunError, discard_if_empty, resume_point, start_run
 from .watchdog import StopSignal, Watchdog
+
+# torch.optim.Optimizer imports torch._dynamo on first use, 2-3 s here. A launched rank pays
+# it now, before the first collective, rather than between the end of loading and the first
+# sync, where a waiting rank counts it against dist.timeout. A single process pays it at its
+# first optimizer, after its config, data and targets are checked: bad input is refused 2 s
+# sooner.
+if comm.launched():
+    import torch._dynamo  # noqa: F401
 
 __all__ = ["Trainer", "train", "RunError", "DivergenceError"]
 
