@@ -14,6 +14,14 @@ HVD = pytest.mark.horovod     # skipped where Horovod is not installed (conftest
 CONTROLLERS = [pytest.param("gloo", marks=HVD), pytest.param("mpi", marks=HVD), "torchrun", "mpi-torch"]
 
 
+@HVD
+def test_horovod_is_built_with_gloo_and_mpi():
+    """Horovod's own probes (a forked child imports horovod.torch), asked here once: the
+    harness's Gloo launches skip the probe horovodrun makes each time (tests/horovodrun_unprobed.py)."""
+    from horovod.common.util import gloo_built, mpi_built
+    assert gloo_built() and mpi_built()
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_collectives_exact(controller):
