@@ -233,7 +233,10 @@ def load_svhn(directory: str, extra: bool = False) -> Dataset:
             raise DataError(f"{d / f}: SVHN label out of range")
         return torch.from_numpy(np.ascontiguousarray(x.transpose(3, 2, 0, 1))), torch.from_numpy(y)
 
-    parts = [read(f) for f in files]
+    parts = []
+    for f in files:
+        parts.append(read(f))
+        PROGRESS[0] += 1
     xtr = torch.cat([parts[0][0]] + [p[0] for p in parts[2:]])
     ytr = torch.cat([parts[0][1]] + [p[1] for p in parts[2:]])
     return Dataset("svhn", xtr, ytr, parts[1][0], parts[1][1], 10,
@@ -391,6 +394,11 @@ def decode_image(src, *, size: int, gray: bool, recipe: str = "fixed", rng=None,
                 im.draft(mode, (max(size, int(w * size / bw)), max(size, int(h * size / bh))))
                 sx, sy = im.size[0] / w, im.size[1] / h
                 box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+            if im.mode == "I" or im.mode.startswith("I;16"):
+                # 16-bit pixels (a PNG or TIFF): PIL's convert clips them at 255, which turns
+                # the image nearly white; their top byte instead
+                px = np.asarray(im).astype(np.int64) >> 8
+                im = Image.fromarray(np.clip(px, 0, 255).astype(np.uint8))
             im = im.convert(mode) if im.mode != mode else im
             if recipe == "fixed" and im.size == (size, size):
                 out = im
@@ -406,11 +414,13 @@ def decode_image(src, *, size: int, gray: bool, recipe: str = "fixed", rng=None,
 
 def is_gray(srcs, skip_corrupt: bool = False) -> bool:
     """Every image's mode (read from its header) is a grayscale one (``skip_corrupt``: an
-    unreadable one does not count; else it raises DataError naming it)."""
+    unreadable one does not count; else it raises DataError naming it). ``srcs``: paths,
+    or ``(bytes, name)`` pairs (a shard's member)."""
     out = True
     for s in srcs:
+        src, name = s if isinstance(s, tuple) else (s, "")
         try:
-            with open_image(s) as im:
+            with open_image(src, name) as im:
                 out = out and im.mode in _GRAY_MODES
         except DataError:
             if not skip_corrupt:

@@ -11,7 +11,8 @@ not re-encoded, so a shard decodes to the same pixels as the folder. Beside each
 index ``shard-NNNNNN.idx.json`` (key, offset and size of each image, label) lets a rank
 start without scanning the tars; ``OUT_DIR/classes.json`` names the labels. Shards
 written by other tools (webdataset's ShardWriter, tarp) read as well: without an index a
-shard's headers are scanned once at start.
+shard's headers are scanned once at start. (Read with ``tarfile``, not the webdataset
+package, whose worker-split pipeline cannot resume mid-pass: docs/algorithm.md.)
 
 Reading (stream.py): a shard is read whole and in order (one sequential read: what a
 cluster file system serves best); each replica visits its shards in its own order per

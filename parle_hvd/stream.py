@@ -176,6 +176,30 @@ class StreamedData:
 
 
 # --------------------------------------------------------------------------- decoding (in the workers)
+class _seeded:
+    """A user's ``__getitem__`` may draw from torch's, NumPy's or Python's global generator (a
+    random transform): each is seeded by the example's own seed (seed, replica, pass,
+    position), as our crops are, so that the draws do not depend on the worker that decodes
+    the example or on the number of workers, and a resume replays them; the caller's states
+    are put back after (with data.workers=0 the caller is the training process, whose
+    dropout and noise draw from torch's)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self.saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
+        torch.manual_seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+        random.seed(self.seed)
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.saved[0])
+        np.random.set_state(self.saved[1])
+        random.setstate(self.saved[2])
+        return False
+
+
 class Decoder(torch.utils.data.Dataset):
     """Decodes a batch of ``(index, seed, bytes or None)`` items of ``table`` into
     ``{"x": uint8 [B, C, H, W] (or the user's inputs), "y": [B], "skipped": [...],
@@ -203,7 +227,8 @@ class Decoder(torch.utils.data.Dataset):
     def _one(self, i: int, seed: int, blob, skipped: list):
         if self.t.kind == "target":
             try:
-                x, y = self.t.ds[int(self.t.refs[i])]
+                with _seeded(seed):
+                    x, y = self.t.ds[int(self.t.refs[i])]
             except Exception as e:       # the user's __getitem__: one line naming it
                 raise DataError(f"data.target: reading example {int(self.t.refs[i])} raised {type(e).__name__}: {e}") from None
             return torch.as_tensor(x), torch.as_tensor(y)
@@ -648,7 +673,7 @@ def open_images(c, seed: int) -> StreamedData:
     size = image_size_of(tr, c)
     k = min(c.stats_sample, len(tr))
     sample = torch.randperm(len(tr), generator=D._gen("stats", seed))[:k].sort().values.tolist()
-    gray = D.is_gray((tr.read(i) for i in sample), c.skip_corrupt)     # if every sampled image is (in memory: every image)
+    gray = D.is_gray(((tr.read(i), tr.name(i)) for i in sample), c.skip_corrupt)     # if every sampled image is (in memory: every image)
     d = StreamedData(c.name, tr, te, None, len(classes), None, None, (1 if gray else 3, size, size),
                      recipe=recipe, size=size, gray=gray, **_options(c))
     st = D.PixelStats()

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .data import PROGRESS
+
 
 class TargetError(ValueError):
     """A target that does not import, is not callable or returns the wrong thing (names the key)."""
@@ -111,7 +113,10 @@ def _stack(ds, which: str, target: str) -> tuple:
         if n == 0:
             raise TargetError(f"{key}: the {which} set from {target} is empty (length 0)")
         try:
-            items = [ds[i] for i in range(n)]
+            items = []
+            for i in range(n):
+                items.append(ds[i])
+                PROGRESS[0] += 1        # the loading heartbeat's count: a long read is not a stuck one
         except Exception as e:
             raise TargetError(f"{key}: reading the {which} set from {target} raised {type(e).__name__}: {e}") from None
         if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):

@@ -383,6 +383,86 @@ def test_streamed_data_target_matches_in_memory(tmp_path):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
+def test_a_targets_random_transform_is_seeded_per_example(tmp_path):
+    """A data.target whose __getitem__ draws from torch's, NumPy's and Python's generators:
+    streamed, its draws depend on (seed, replica, pass, position) only: 0 and 2 workers give
+    the same batches, a feed restarted at a saved position replays them, two replicas and
+    two passes differ, and the training process's own generators are left as they were."""
+    import random as pyrandom
+    c = lambda w: make_config(None, ["data.target=tests/user_code/data.py:jittered", "model.target=usermods.nets:make_mlp",
+                                     "data.stream=true", f"data.workers={w}"])
+    sys.path.insert(0, str(ROOT / "tests/user_code"))
+    try:
+        st0, st2 = load_data(c(0)), load_data(c(2))
+    finally:
+        sys.path.remove(str(ROOT / "tests/user_code"))
+    mk = lambda ds, r=0: StreamFeed(ds, ReplicaSampler(torch.arange(64), 8, seed=1, rank=r), augment="off",
+                                    aug_gen=None, dev=CPU, replica=r, seed=1)
+    torch.manual_seed(5), np.random.seed(5), pyrandom.seed(5)
+    before = torch.get_rng_state(), np.random.rand(), pyrandom.random()
+    torch.manual_seed(5), np.random.seed(5), pyrandom.seed(5)
+    f0 = mk(st0)
+    a = take(f0, 16)                                     # two passes of 8 batches, in this process
+    assert (torch.equal(torch.get_rng_state(), before[0]) and np.random.rand() == before[1]
+            and pyrandom.random() == before[2])
+    f2 = mk(st2)
+    b = take(f2, 16)
+    assert all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in zip(a, b))
+    frac = lambda batches: sorted(round(float(v), 6) for x, _ in batches for v in (x - x.floor())[:, 0])
+    assert frac(a[:8]) != frac(a[8:])                    # the same examples, other draws in the next pass
+    assert not torch.equal(take(mk(st0, r=1), 1)[0][0], a[0][0])
+    g = mk(st2)
+    take(g, 5)
+    saved = g.sampler.state_dict()
+    h = mk(st2)
+    h.sampler.load_state_dict(saved)
+    h.reset()
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(take(h, 6), b[5:11]))
+    for f in (f0, f2, g, h):
+        f.close()
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped(tmp_path):
+    """A 16-bit grayscale PNG (PIL mode I;16) becomes its top byte, not white."""
+    a = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    Image.fromarray(a).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode.startswith("I")
+    gray = decode_image(str(tmp_path / "g16.png"), size=32, gray=True)
+    assert np.array_equal(gray[0], (a >> 8).astype(np.uint8))
+    rgb = decode_image(str(tmp_path / "g16.png"), size=32, gray=False)
+    assert all(np.array_equal(rgb[c], gray[0]) for c in range(3))
+
+
+def test_a_corrupt_shard_member_is_one_short_line_naming_it(tmp_path):
+    """Met while the image modes are read at the start: the line names the shard and key
+    (not the member's bytes)."""
+    d = write_images(tmp_path / "f", per_class=(6, 2))
+    shards.write(str(d), str(tmp_path / "s"), per_shard=4, seed=3)
+    f = shards.shard_files(tmp_path / "s/train")[0]
+    key, off, size, _ = shards.shard_index(f)[0]
+    raw = bytearray(f.read_bytes())
+    raw[off:off + 8] = b"garbage!"
+    f.write_bytes(bytes(raw))
+    with pytest.raises(DataError) as e:
+        load_data(make_config(None, ["data.name=shards", f"data.dir={tmp_path / 's'}", "data.image_size=16",
+                                     "train.batch_size=6", "data.stats_sample=100000"]))
+    msg = str(e.value)
+    assert len(msg) < 300 and key in msg and f.name in msg and "corrupt" in msg, msg[:500]
+
+
+def test_a_targets_items_count_as_loading_progress():
+    """Stacking an in-memory data.target reads it item by item: the heartbeat's count moves."""
+    from parle_hvd import data as D
+    sys.path.insert(0, str(ROOT / "tests/user_code"))
+    try:
+        p0 = D.PROGRESS[0]
+        load_data(make_config(None, ["data.target=tests/user_code/data.py:jittered", "model.target=usermods.nets:make_mlp",
+                                     "data.stream=false"]))
+        assert D.PROGRESS[0] - p0 >= 64 + 16
+    finally:
+        sys.path.remove(str(ROOT / "tests/user_code"))
+
+
 @pytest.mark.parametrize("override,msg", [
     ("data.stream=maybe", "data.stream"), ("data.workers=-1", "data.workers"), ("data.augment=sometimes", "data.augment"),
     ("data.memory_limit=0", "data.memory_limit"), ("data.shuffle_shards=0", "data.shuffle_shards")])

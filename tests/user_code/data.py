@@ -36,3 +36,23 @@ def empty():
 
 def one_set():
     return TensorDataset(torch.zeros(4, 8), torch.zeros(4).long())
+
+
+class Jittered(Dataset):
+    """A random transform in ``__getitem__`` drawing from the global generators (torch's,
+    NumPy's and Python's), as torchvision-style transforms do."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import random
+        import numpy as np
+        return torch.full((8,), float(i)) + torch.rand(8) + float(np.random.rand()) + random.random(), i % 4
+
+
+def jittered(n_train: int = 64, n_test: int = 16):
+    return Jittered(n_train), Jittered(n_test)
