@@ -106,7 +106,8 @@ def _load_data(cfg: Config):
     d = cfg.data
     parts = user_datasets(d.target, d.kwargs) if d.target else None
     if streams(cfg, parts):
-        ds = stream.open_target(d, parts) if d.target else stream.open_images(d, cfg.train.seed)
+        gpu = cfg.dist.device != "cpu" and torch.cuda.is_available()      # as pick_device decides
+        ds = stream.open_target(d, parts, gpu=gpu) if d.target else stream.open_images(d, cfg.train.seed, gpu=gpu)
         if d.target and not ds.num_classes and not cfg.model.target:
             raise RunError(f"model.name: {cfg.model.name} needs the number of classes, which a streamed data.target "
                            f"does not give (give the training set a `classes` list, or set model.target)")

@@ -245,7 +245,7 @@ def load_svhn(directory: str, extra: bool = False) -> Dataset:
 
 # --------------------------------------------------------------------------- image folder
 _IMG_EXT = {".png", ".jpg", ".jpeg"}
-_GRAY_MODES = ("L", "1", "I", "I;16", "LA")
+_GRAY_MODES = ("L", "1", "I", "I;16", "I;16B", "I;16L", "I;16N", "LA")
 
 
 @functools.lru_cache(maxsize=1)
@@ -394,9 +394,10 @@ def decode_image(src, *, size: int, gray: bool, recipe: str = "fixed", rng=None,
                 im.draft(mode, (max(size, int(w * size / bw)), max(size, int(h * size / bh))))
                 sx, sy = im.size[0] / w, im.size[1] / h
                 box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-            if im.mode == "I" or im.mode.startswith("I;16"):
+            if im.mode.startswith("I;16"):
                 # 16-bit pixels (a PNG or TIFF): PIL's convert clips them at 255, which turns
-                # the image nearly white; their top byte instead
+                # the image nearly white; their top byte instead (mode I, 32-bit integers of
+                # no known range, is left to PIL)
                 px = np.asarray(im).astype(np.int64) >> 8
                 im = Image.fromarray(np.clip(px, 0, 255).astype(np.uint8))
             im = im.convert(mode) if im.mode != mode else im

@@ -177,26 +177,29 @@ class StreamedData:
 
 # --------------------------------------------------------------------------- decoding (in the workers)
 class _seeded:
-    """A user's ``__getitem__`` may draw from torch's, NumPy's or Python's global generator (a
-    random transform): each is seeded by the example's own seed (seed, replica, pass,
-    position), as our crops are, so that the draws do not depend on the worker that decodes
-    the example or on the number of workers, and a resume replays them; the caller's states
-    are put back after (with data.workers=0 the caller is the training process, whose
-    dropout and noise draw from torch's)."""
+    """A user's ``__getitem__`` may draw from torch's (CPU), NumPy's or Python's global
+    generator (a random transform): each is seeded by the example's own seed (seed,
+    replica, pass, position), as our crops are, so that the draws do not depend on the
+    worker that decodes the example or on the number of workers, and a resume replays
+    them. In the training process itself (data.workers=0), whose dropout and noise draw
+    from torch's generator, the three states are put back after; a worker's need not be.
+    GPU generators are not touched (a DataLoader worker does not use the GPU)."""
 
     def __init__(self, seed: int):
         self.seed = seed
 
     def __enter__(self):
-        self.saved = torch.get_rng_state(), np.random.get_state(), random.getstate()
-        torch.manual_seed(self.seed)
+        main = torch.utils.data.get_worker_info() is None
+        self.saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if main else None
+        torch.default_generator.manual_seed(self.seed)
         np.random.seed(self.seed % 2**32)
         random.seed(self.seed)
 
     def __exit__(self, *exc):
-        torch.set_rng_state(self.saved[0])
-        np.random.set_state(self.saved[1])
-        random.setstate(self.saved[2])
+        if self.saved is not None:
+            torch.set_rng_state(self.saved[0])
+            np.random.set_state(self.saved[1])
+            random.setstate(self.saved[2])
         return False
 
 
@@ -397,7 +400,9 @@ def eval_batches(ds, which: str, lo: int, hi: int, batch_size: int):
             yield x_all[i:min(i + batch_size, hi)], y_all[i:min(i + batch_size, hi)]
         return
     table = ds.test if which == "test" else ds.val
-    spans = [[(i, 0, None) for i in range(a, min(a + batch_size, hi))] for a in range(lo, hi, batch_size)]
+    # a target's random transform, if any, draws the same for an example at every evaluation
+    spans = [[(i, seed_of(which, i), None) for i in range(a, min(a + batch_size, hi))]
+             for a in range(lo, hi, batch_size)]
     batched = _Batched(loader(ds, table, "eval", spans), which)
     try:
         for b in batched:
@@ -414,7 +419,8 @@ def train_examples(ds, batches: list):
         for idx in batches:
             yield ds.train_x[idx], ds.train_y[idx]
         return
-    batched = _Batched(loader(ds, ds.train, "eval", [[(int(i), 0, None) for i in idx] for idx in batches]), "train")
+    batched = _Batched(loader(ds, ds.train, "eval", [[(int(i), seed_of("train-eval", int(i)), None) for i in idx]
+                                                    for idx in batches]), "train")
     try:
         for b in batched:
             b = _check(b, "train")
@@ -651,8 +657,10 @@ def _image_tables(c, seed: int) -> tuple:
     return classes, mk(train), mk(test)
 
 
-def _options(c) -> dict:
-    return dict(workers=c.workers, prefetch=c.prefetch, pin=c.pin_memory and torch.cuda.is_available(),
+def _options(c, gpu: bool) -> dict:
+    # page-locked batches only for a GPU replica: on a CPU replica of a GPU host the
+    # DataLoader's pinning thread would open a CUDA context on GPU 0 in every rank
+    return dict(workers=c.workers, prefetch=c.prefetch, pin=c.pin_memory and gpu,
                 context=worker_start(c.worker_start), skip_corrupt=c.skip_corrupt, shuffle_shards=c.shuffle_shards,
                 crop_frac=c.crop_frac)
 
@@ -664,7 +672,7 @@ def image_size_of(t: Table, c) -> int:
         return im.size[0]
 
 
-def open_images(c, seed: int) -> StreamedData:
+def open_images(c, seed: int, *, gpu: bool = False) -> StreamedData:
     """A streamed image folder or set of shards: the tables of examples, and the
     normalisation statistics (and gray or colour) from a fixed sample of ``data.stats_sample``
     training images (all of them when there are fewer: then the same numbers as in memory)."""
@@ -675,7 +683,7 @@ def open_images(c, seed: int) -> StreamedData:
     sample = torch.randperm(len(tr), generator=D._gen("stats", seed))[:k].sort().values.tolist()
     gray = D.is_gray(((tr.read(i), tr.name(i)) for i in sample), c.skip_corrupt)     # if every sampled image is (in memory: every image)
     d = StreamedData(c.name, tr, te, None, len(classes), None, None, (1 if gray else 3, size, size),
-                     recipe=recipe, size=size, gray=gray, **_options(c))
+                     recipe=recipe, size=size, gray=gray, **_options(c, gpu))
     st = D.PixelStats()
     for x, _ in train_examples(d, [sample[i:i + 256] for i in range(0, k, 256)]):
         st.add(x)
@@ -684,7 +692,7 @@ def open_images(c, seed: int) -> StreamedData:
     return d
 
 
-def open_target(c, parts: tuple) -> StreamedData:
+def open_target(c, parts: tuple, *, gpu: bool = False) -> StreamedData:
     """``data.target``'s datasets (``parts``), read one example at a time in the workers.
     The number of classes is the training set's ``classes`` (torchvision's convention) or
     ``num_classes``, if it has one: counting the labels would read every example."""
@@ -696,7 +704,7 @@ def open_target(c, parts: tuple) -> StreamedData:
     ncls = getattr(parts[0], "num_classes", None) or len(getattr(parts[0], "classes", None) or ())
     return StreamedData(f"target:{c.target}", tables[0], tables[1], tables[2] if len(tables) == 3 else None,
                         ncls, None, None, tuple(x.shape), input_dtype=str(x.dtype).replace("torch.", ""),
-                        **_options(c))
+                        **_options(c, gpu))
 
 
 def decoded_bytes(c, seed: int, parts=None) -> float:

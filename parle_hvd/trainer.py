@@ -54,7 +54,14 @@ from .watchdog import StopSignal, Watchdog
 # sync, where a waiting rank counts it against dist.timeout. A single process pays it at its
 # first optimizer, after its config, data and targets are checked: bad input is refused 2 s
 # sooner.
-if comm.launched():
+def _launched() -> bool:
+    try:
+        return comm.launched()
+    except comm.EngineError:      # a malformed launcher environment: Trainer() says so in one line
+        return True
+
+
+if _launched():
     import torch._dynamo  # noqa: F401
 
 __all__ = ["Trainer", "train", "RunError", "DivergenceError"]
@@ -162,10 +169,6 @@ class Trainer:
         # streamed, its workers decode its batches. Either way each replica has its own window
         # and order; data-parallel SGD gives each rank a disjoint shard (frac = 1/n).
         ds = self.ds if self.ds.streamed else to_device(self.ds, dev)
-        if ds.streamed:
-            # page-locked batches only for a GPU replica: on a CPU replica of a GPU host the
-            # DataLoader's pinning thread would open a CUDA context on GPU 0 in every rank
-            ds.pin = ds.pin and dev.type == "cuda"
         self.ds = ds
         shard = ALGORITHMS[cfg.algo].shard_data and world0 > 1
         split, frac = ("frac", 1.0 / world0) if shard else (cfg.data.split, cfg.data.frac)
