@@ -26,6 +26,29 @@ def _let_rank0_speak(seconds: float = 3.0) -> None:
     time.sleep(seconds)
 
 
+def exit_now(rc) -> None:
+    """End the process with exit status ``rc`` the way Python would, less its last second.
+
+    A process that imported torch, Dynamo and Horovod spends about 1 s after its last line
+    (here: 0.8-1.1 s of one core) freeing those modules' objects one by one, which nothing
+    needs once the run is over. So: the steps of Python's own exit that matter (waiting for
+    non-daemon threads, the exit handlers: logging, multiprocessing's and the DataLoader
+    workers', Horovod's; flushing stdout and stderr), then ``os._exit``. Every file the run
+    wrote was closed by then (logger, checkpoints, summary)."""
+    import atexit
+    import threading
+    shutdown = getattr(threading, "_shutdown", None)    # what Python's exit calls first
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc if isinstance(rc, int) else (0 if rc is None else 1))
+
+
 def _rank_from_env() -> int:
     # (PMI_RANK before SLURM_PROCID: under mpiexec inside an allocation the ranks inherit the
     # proxies' SLURM_PROCID; under srun --mpi=pmi2 the two agree)
@@ -103,4 +126,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -130,6 +130,8 @@ class Trainer:
         finally:
             if self.feed is not None:     # end the DataLoader workers on every way out
                 self.feed.close()
+            if self.log is not None:      # and flush the logs (TensorBoard's too): nothing is left to exit
+                self.log.close()
 
     def _run(self) -> dict:
         cfg = self.cfg

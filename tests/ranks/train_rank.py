@@ -4,7 +4,7 @@ space-separated) to prove that rank 0's values win, or a file-size limit
 import os
 import sys
 
-from parle_hvd.cli import _rank_from_env, main
+from parle_hvd.cli import _rank_from_env, exit_now, main
 
 
 def run() -> int:
@@ -20,4 +20,4 @@ def run() -> int:
 
 
 if __name__ == "__main__":      # forkserver's DataLoader workers import this file again
-    sys.exit(run())
+    exit_now(run())               # as train.py ends
