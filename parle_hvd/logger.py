@@ -87,10 +87,16 @@ class RunLogger:
             self._jsonl.flush()
 
     def close(self) -> None:
-        if self.bar:
-            self.bar.close()
-        if self.tb:
-            self.tb.flush()
-            self.tb.close()
-        if self._jsonl:
-            self._jsonl.close()
+        """Each part closed even if another fails (a full disk makes TensorBoard's flush raise
+        on every call); the first failure is raised after."""
+        try:
+            if self.bar:
+                self.bar.close()
+            if self.tb:
+                try:
+                    self.tb.flush()
+                finally:
+                    self.tb.close()
+        finally:
+            if self._jsonl:
+                self._jsonl.close()

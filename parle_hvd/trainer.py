@@ -131,7 +131,8 @@ class Trainer:
             if self.feed is not None:     # end the DataLoader workers on every way out
                 self.feed.close()
             if self.log is not None:      # and flush the logs (TensorBoard's too): nothing is left to exit
-                self.log.close()
+                with contextlib.suppress(OSError):      # a full disk: the error on its way out is the one to tell
+                    self.log.close()
 
     def _run(self) -> dict:
         cfg = self.cfg
