@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     from .checkpoint import CheckpointError
     from .data import DataError
     from .trainer import DivergenceError, RunError, train
+    from .watchdog import Interrupted
     try:
         train(cfg)
     except (ConfigError, DataError, RunError, CheckpointError) as e:
@@ -116,6 +117,10 @@ def main(argv=None) -> int:
     except OSError as e:      # a full disk or a vanished directory while writing logs
         print(f"error: rank {rank}: {e.strerror or e}: {e.filename or ''}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:
+        print(f"[rank {rank}] {e}: stopped before the first outer step (nothing trained, no checkpoint to write)",
+              file=sys.stderr, flush=True)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"[rank {rank}] interrupted", file=sys.stderr, flush=True)
         return 130

@@ -165,7 +165,7 @@ class Trainer:
             # one's file list and statistics): the heartbeat says this rank is loading, so the
             # ranks waiting for it do not take it for lost. Any user target is imported and
             # tried here, on every rank alike (a bad one ends every rank with the same line).
-            with self.dog.busy("loading data", lambda: PROGRESS[0]):
+            with self.dog.busy("loading data", lambda: PROGRESS[0]), self.stop.at_once("loading data"):
                 _inject_slow_load(self.rank)
                 self.obj, self.ds = resolve_objective(cfg, load_data(cfg))
         # In memory, every replica holds the whole dataset (uint8, on its device, moved once);

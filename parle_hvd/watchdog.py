@@ -3,6 +3,9 @@
 * ``StopSignal``: SIGTERM or SIGINT (what SLURM sends before a preemption, or Ctrl-C) asks
   the run to stop; the trainer tells every rank in the next sync, all ranks stop after the
   same outer step, write a checkpoint and exit 0. A second SIGINT exits at once (130).
+  One that comes while the rank is loading its data before the first sync (nothing
+  trained, nothing to save) ends the process at once (``Interrupted``: exit 128 + the
+  signal's number), not after the load and one outer step.
 * ``Watchdog``: every collective is timed; one that waits longer than ``dist.timeout``
   seconds (a rank died or stopped answering; Gloo never gives up by itself) ends the
   process with one line naming the ranks whose heartbeat is behind, and exit code 4.
@@ -30,19 +33,49 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
+class Interrupted(BaseException):
+    """A stop signal met during ``StopSignal.at_once(what)``. A BaseException, so that no
+    ``except Exception`` on the way (a corrupt-file skip around a decode) swallows it."""
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(f"{signal.Signals(signum).name} while {what}")
+        self.signum, self.what = signum, what
+
+
 class StopSignal:
     def __init__(self, rank: int):
         self.rank = rank
         self.requested: Optional[str] = None
+        self._now: Optional[str] = None       # what the rank is doing where a stop ends it at once
+        self._pid = os.getpid()
+
+    @contextmanager
+    def at_once(self, what: str):
+        """Inside this block a SIGTERM or SIGINT raises ``Interrupted`` in the main thread
+        rather than asking for a stop after the next outer step: for long work that leaves
+        nothing to save (loading data before the first sync), so that a preempted job
+        (scancel, a launcher ending the job because another rank failed) is not kept for
+        the whole load, or killed after the launcher's grace period."""
+        self._now = what
+        try:
+            yield
+        finally:
+            self._now = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        self._pid = os.getpid()
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if os.getpid() != self._pid:
+            return                # a forked DataLoader worker: its process decides, and ends it
+        if self._now is not None:
+            what, self._now = self._now, None     # raised once: the unwinding is not interrupted again
+            raise Interrupted(signum, what)
         if self.requested is not None and signum == signal.SIGINT:
             os.write(2, f"[rank {self.rank}] second SIGINT: exiting now\n".encode())
             os._exit(130)

@@ -261,6 +261,33 @@ def test_second_sigint_exits_at_once(tmp_path):
     assert "second SIGINT: exiting now" in out
 
 
+def test_sigterm_while_loading_exits_at_once_and_keeps_the_checkpoints(tmp_path, finished_run):
+    """A resume whose data loading takes a minute gets SIGTERM mid-load: nothing is trained
+    yet, so it ends at once (not after the load and one outer step) with one line and exit
+    143, and the checkpoints it was resuming from are untouched."""
+    import shutil
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    before = _digest(d)
+    p = subprocess.Popen([sys.executable, "train.py", *CFG, *SMALL, "dist.backend=none", "train.epochs=1",
+                          "run.ckpt_every=1", f"run.dir={d}", "run.resume=true"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                        "PARLE_HVD_INJECT_SLOW_LOAD": "0:60"})
+    hb, t0 = d / ".heartbeat" / "rank-0", time.monotonic()
+    while not (hb.exists() and "busy:loading_data" in hb.read_text()):
+        assert time.monotonic() - t0 < 60 and p.poll() is None, p.stdout.read().decode() if p.poll() is not None else ""
+        time.sleep(0.05)
+    t1 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(timeout=30)
+    out = p.stdout.read().decode()
+    assert rc == 143 and time.monotonic() - t1 < 3, (rc, time.monotonic() - t1, out)
+    assert out.strip().splitlines()[-1] == ("[rank 0] SIGTERM while loading data: stopped before the first outer step "
+                                            "(nothing trained, no checkpoint to write)"), out
+    assert "Traceback" not in out
+    assert _digest(d) == before
+
+
 # ------------------------------------------------------------------------ divergence
 @pytest.mark.multirank
 def test_divergence_on_one_rank_names_it_and_keeps_the_last_checkpoint(tmp_path):

@@ -91,9 +91,12 @@ def test_a_rank_slow_to_load_is_waited_for(tmp_path):
 
 def test_a_rank_stuck_loading_is_named(tmp_path):
     """Rank 1's loading stops making progress: rank 0 names it (still loading, no progress)
-    after dist.timeout and exits 4, rather than wait forever or blame the network."""
+    after dist.timeout and exits 4, rather than wait forever or blame the network. The
+    launcher's SIGTERM then ends rank 1 at once (nothing trained), not after its grace period."""
     out = run_ranks(TRAIN, controller="gloo", args=[*SHORT, f"run.dir={tmp_path / 'r'}"], timeout=180,
                     env={"PARLE_HVD_INJECT_SLOW_LOAD": "1:hang"}, expect_fail=True)
     text = out[0]["_output"]
     assert out[0]["_rc"] != 0 and "rank 1 stopped answering" in text and "loading data" in text, text
     assert "no progress for" in text
+    assert "[rank 1] SIGTERM while loading data: stopped before the first outer step" in text, text
+    assert "Process 1 exit with status code 143" in text, text          # not 137: horovodrun's SIGKILL
