@@ -101,6 +101,7 @@ class Trainer:
         except comm.EngineError as e:
             raise RunError(str(e)) from None
         configure_torch(cfg)
+        comm.reset_stats()       # this run's communication (a resume restores its total from the checkpoint)
         self.cfg, self.rank, self.world = cfg, comm.rank(), comm.size()
         self.stop = StopSignal(self.rank)
         self.stop.install()
@@ -128,6 +129,8 @@ class Trainer:
                 sys.stderr.flush()
             raise
         finally:
+            self.dog.close()
+            self.stop.uninstall()
             if self.feed is not None:     # end the DataLoader workers on every way out
                 self.feed.close()
             if self.log is not None:      # and flush the logs (TensorBoard's too): nothing is left to exit

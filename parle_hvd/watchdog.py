@@ -48,6 +48,7 @@ class StopSignal:
         self.requested: Optional[str] = None
         self._now: Optional[str] = None       # what the rank is doing where a stop ends it at once
         self._pid = os.getpid()
+        self._prev: dict = {}                   # the handlers install() replaced
 
     @contextmanager
     def at_once(self, what: str):
@@ -67,7 +68,15 @@ class StopSignal:
             return
         self._pid = os.getpid()
         for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self._handle)
+            self._prev[s] = signal.signal(s, self._handle)
+
+    def uninstall(self) -> None:
+        """Give back the handlers ``install`` replaced (the run is over: whatever the script
+        does next, a signal means what it meant before)."""
+        if threading.current_thread() is threading.main_thread():
+            for s, h in self._prev.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._prev = {}
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -98,8 +107,13 @@ class Watchdog:
         self._progress: Callable[[], int] = lambda: 0
         self._moved: dict = {}  # rank -> (its last progress count seen, when it was first seen)
         self._beats: dict = {}  # rank -> (its last heartbeat line seen, when it was first seen)
+        self._closed = threading.Event()
         if timeout > 0 and world > 1:
             threading.Thread(target=self._run, name="parle-watchdog", daemon=True).start()
+
+    def close(self) -> None:
+        """End the watching thread (the run is over)."""
+        self._closed.set()
 
     def reset(self, rank: int, world: int) -> None:
         """A new world (elastic mode): new rank numbers, and every rank counts from zero."""
@@ -208,8 +222,7 @@ class Watchdog:
             and not self.behind()
 
     def _run(self) -> None:
-        while True:
-            time.sleep(0.5)
+        while not self._closed.wait(0.5):
             since = self._since
             now = time.monotonic()
             if since is None or now - since < self.timeout:

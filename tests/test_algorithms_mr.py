@@ -1,6 +1,7 @@
 """Every algorithm on 2 ranks, under both engines (horovodrun --gloo: Horovod; torchrun:
 torch.distributed): runs to completion, writes the same outputs, and communicates exactly
-what it should: how many collectives per outer step and what they carry. Plus
+what it should: how many collectives per outer step and what they carry (the seven runs of
+an engine as one job, one run after the other: each summary counts its own). Plus
 data-parallel SGD and Parle in float64 against hand-written loops, under both engines,
 and Parle's float64 run bit-identical between them."""
 import json
@@ -34,12 +35,34 @@ def _lenet_sizes():
     return m, n_params, n_sync
 
 
+ALGOS = ["parle", "sgd", "dpsgd", "elastic", "entropy", "localsgd", "diloco"]
+
+
+@pytest.fixture(scope="module")
+def every_algorithm(tmp_path_factory):
+    """Every algorithm's 2-rank run, once per engine, as one job that runs them one after the
+    other (tests/ranks/sweep_rank.py: the world joined once, each run's own counts):
+    runs(controller) -> {algo: run dir}. One job instead of seven saves six starts of two
+    ranks (~3.5 s each: torch, Dynamo and the launcher)."""
+    done = {}
+
+    def runs(controller):
+        if controller not in done:
+            d = tmp_path_factory.mktemp(f"algos-{controller}")
+            argv = []
+            for a in ALGOS:
+                argv += [*(["--"] if argv else []), "--config", "configs/fashion_parle.yaml", f"algo={a}", *COMMON,
+                         f"run.dir={d / a}"]
+            run_ranks(ROOT / "tests/ranks/sweep_rank.py", controller=controller, timeout=400, reports=False, args=argv)
+            done[controller] = {a: d / a for a in ALGOS}
+        return done[controller]
+    return runs
+
+
 @pytest.mark.parametrize("controller", ENGINES)
-@pytest.mark.parametrize("algo", ["parle", "sgd", "dpsgd", "elastic", "entropy", "localsgd", "diloco"])
-def test_every_algorithm_on_two_ranks_communicates_as_designed(tmp_path, algo, controller):
-    run = tmp_path / "run"
-    run_ranks(TRAIN, controller=controller, timeout=240, reports=False,
-              args=["--config", "configs/fashion_parle.yaml", f"algo={algo}", *COMMON, f"run.dir={run}"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_every_algorithm_on_two_ranks_communicates_as_designed(every_algorithm, algo, controller):
+    run = every_algorithm(controller)[algo]
     s = json.loads((run / "summary.json").read_text())
     assert s["engine"] == ENGINE_OF[controller]
     for f in ("final.pt", "metrics.jsonl", "run.json", "config.json"):

@@ -303,3 +303,33 @@ def test_inner_loop_timer_on_a_gpu_waits_for_its_own_stream_not_the_device(monke
     assert calls == ["record", "watchdog on", "record", "wait for the stream", "watchdog off"]
     cpu = optim.InnerTimer(torch.device("cpu"))          # on the CPU: host time, no events
     assert 0 <= cpu.seconds() < 5 and calls[-1] == "watchdog off"
+
+
+@needs_fashion
+def test_a_run_gives_back_the_signal_handlers_and_ends_its_watchdog(tmp_path):
+    """After train(cfg) returns (or raises), SIGTERM and SIGINT mean what they meant before
+    (a script that goes on after a run, or runs another), and the watchdog's thread is over."""
+    import signal
+    import threading
+    from parle_hvd.data import DataError
+    from parle_hvd.watchdog import Watchdog
+
+    mine = lambda signum, frame: None  # noqa: E731
+    before = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        train(_cfg(tmp_path / "a", "data.train_limit=256", "data.test_limit=100", "train.epochs=1"))
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+        bad = _cfg(tmp_path / "b", "data.train_limit=256", "data.test_limit=100", "train.epochs=1",
+                   "data.name=folder", f"data.dir={tmp_path / 'none'}")
+        with pytest.raises(DataError):    # a run that fails (its data folder is missing) gives them back too
+            train(bad)
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    others = set(threading.enumerate())
+    dog = Watchdog(5.0, 0, 2)            # two ranks: its thread runs
+    (t,) = [x for x in threading.enumerate() if x not in others and x.name == "parle-watchdog"]
+    dog.close()
+    t.join(2.0)
+    assert not t.is_alive()
