@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     from .trainer import DivergenceError, RunError, train
     from .watchdog import Interrupted
     try:
-        train(cfg)
+        train(cfg, give_back_signals=False)
     except (ConfigError, DataError, RunError, CheckpointError) as e:
         if rank == 0 or isinstance(e, CheckpointError):
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -92,7 +92,7 @@ class Trainer:
     (``dist.elastic``) Horovod's ``elastic.run`` drives the same ``loop()`` through
     ``Membership`` (membership.py), whose ``sync`` takes the place of ``start()``."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, give_back_signals: bool = True):
         try:
             # timeout=0: the engines' own timeouts off; the watchdog (dist.timeout) is the one
             # timeout, since only it tells a rank still loading its data from a lost one
@@ -105,6 +105,9 @@ class Trainer:
         self.cfg, self.rank, self.world = cfg, comm.rank(), comm.size()
         self.stop = StopSignal(self.rank)
         self.stop.install()
+        # train.py ends the process right after the run: its handlers stay (a late SIGTERM is
+        # harmless, the exit code stays 0); a script that goes on gets its own back
+        self.give_back_signals = give_back_signals
         self.dog = Watchdog(cfg.dist.timeout, self.rank, self.world)
         self.member: Optional[Membership] = None    # elastic mode only
         self.ckpt_error = None       # this rank's failed checkpoint write, reported at the next sync
@@ -130,12 +133,13 @@ class Trainer:
             raise
         finally:
             self.dog.close()
-            self.stop.uninstall()
             if self.feed is not None:     # end the DataLoader workers on every way out
                 self.feed.close()
             if self.log is not None:      # and flush the logs (TensorBoard's too): nothing is left to exit
                 with contextlib.suppress(OSError):      # a full disk: the error on its way out is the one to tell
                     self.log.close()
+            if self.give_back_signals:    # last: a signal during the above still only asks for a stop
+                self.stop.uninstall()
 
     def _run(self) -> dict:
         cfg = self.cfg
@@ -162,13 +166,18 @@ class Trainer:
         cfg = self.cfg
         self.dtype = getattr(torch, cfg.model.dtype)
         self.dev = dev = pick_device(cfg.dist.device, cfg.dist.share_device)
+        if dev.type == "cuda":           # this run's peak, not an earlier run's in this process
+            torch.cuda.reset_peak_memory_stats(dev)
         self.replica_id, self.world0 = replica_id, world0
         if self.ds is None:
             # Before the first sync, and maybe long (an in-memory dataset decoded, a streamed
             # one's file list and statistics): the heartbeat says this rank is loading, so the
             # ranks waiting for it do not take it for lost. Any user target is imported and
             # tried here, on every rank alike (a bad one ends every rank with the same line).
-            with self.dog.busy("loading data", lambda: PROGRESS[0]), self.stop.at_once("loading data"):
+            # A signal here ends the rank at once (nothing trained yet), except in elastic modes,
+            # where a rank may be joining a running job: there it asks for a stop in the next sync.
+            at_once = self.stop.at_once("loading data") if not cfg.dist.elastic else contextlib.nullcontext()
+            with self.dog.busy("loading data", lambda: PROGRESS[0]), at_once:
                 _inject_slow_load(self.rank)
                 self.obj, self.ds = resolve_objective(cfg, load_data(cfg))
         # In memory, every replica holds the whole dataset (uint8, on its device, moved once);
@@ -213,8 +222,9 @@ class Trainer:
         self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(T.precision)
         self.scaler = torch.amp.GradScaler(dev.type, enabled=T.precision == "fp16")
         self.net = torch.compile(opt.module) if T.compile else opt.module
-        self.perf = [0.0, 0]
-        self.graphs_seen = 0          # inner-step milliseconds summed over syncs, and syncs (this process)
+        self.perf = [0.0, 0]          # inner-step milliseconds summed over syncs, and syncs (this process)
+        self.graphs0 = report.compiled_graphs() if T.compile else 0    # earlier runs' graphs in this process
+        self.graphs_seen = self.graphs0
         self.L = L = opt.L
         # The same on every rank: window sizes do not depend on the rank.
         self.K = max(1, math.ceil(cfg.train.epochs * nb / L))
@@ -506,7 +516,7 @@ class Trainer:
         graphs = report.compiled_graphs()
         if self.cfg.train.compile and self.evals > 1 and graphs != self.graphs_seen:
             self.log.info(f"compile: {graphs - self.graphs_seen} graph(s) recompiled since the last evaluation "
-                          f"({graphs} in all)")
+                          f"({graphs - self.graphs0} in all)")
         self.graphs_seen = graphs
         self.net.train()
 
@@ -537,7 +547,9 @@ class Trainer:
         return summary
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, *, give_back_signals: bool = True) -> dict:
     """Run ``cfg`` on this rank; every rank calls this. Returns the summary (rank 0 also
-    writes it to ``<run.dir>/summary.json``)."""
-    return Trainer(cfg).run()
+    writes it to ``<run.dir>/summary.json``). The run installs its SIGTERM/SIGINT handlers
+    (a stop after the next outer step) and gives the previous ones back when it returns or
+    raises, unless ``give_back_signals=False`` (train.py, whose process ends right after)."""
+    return Trainer(cfg, give_back_signals=give_back_signals).run()

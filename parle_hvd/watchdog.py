@@ -84,6 +84,7 @@ class StopSignal:
             return                # a forked DataLoader worker: its process decides, and ends it
         if self._now is not None:
             what, self._now = self._now, None     # raised once: the unwinding is not interrupted again
+            self.requested = name                 # a second SIGINT while unwinding exits at once
             raise Interrupted(signum, what)
         if self.requested is not None and signum == signal.SIGINT:
             os.write(2, f"[rank {self.rank}] second SIGINT: exiting now\n".encode())

@@ -273,13 +273,16 @@ def test_sigterm_while_loading_exits_at_once_and_keeps_the_checkpoints(tmp_path,
                           "run.ckpt_every=1", f"run.dir={d}", "run.resume=true"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT),
                                                         "PARLE_HVD_INJECT_SLOW_LOAD": "0:60"})
-    hb, t0 = d / ".heartbeat" / "rank-0", time.monotonic()
-    while not (hb.exists() and "busy:loading_data" in hb.read_text()):
-        assert time.monotonic() - t0 < 60 and p.poll() is None, p.stdout.read().decode() if p.poll() is not None else ""
-        time.sleep(0.05)
-    t1 = time.monotonic()
-    p.send_signal(signal.SIGTERM)
-    rc = p.wait(timeout=30)
+    try:
+        hb, t0 = d / ".heartbeat" / "rank-0", time.monotonic()
+        while not (hb.exists() and "busy:loading_data" in hb.read_text()):
+            assert time.monotonic() - t0 < 60 and p.poll() is None, p.stdout.read().decode() if p.poll() is not None else ""
+            time.sleep(0.05)
+        t1 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=30)
+    finally:
+        p.kill()
     out = p.stdout.read().decode()
     assert rc == 143 and time.monotonic() - t1 < 3, (rc, time.monotonic() - t1, out)
     assert out.strip().splitlines()[-1] == ("[rank 0] SIGTERM while loading data: stopped before the first outer step "

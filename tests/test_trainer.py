@@ -306,7 +306,7 @@ def test_inner_loop_timer_on_a_gpu_waits_for_its_own_stream_not_the_device(monke
 
 
 @needs_fashion
-def test_a_run_gives_back_the_signal_handlers_and_ends_its_watchdog(tmp_path):
+def test_a_run_gives_back_the_signal_handlers_and_ends_its_watchdog(tmp_path, monkeypatch):
     """After train(cfg) returns (or raises), SIGTERM and SIGINT mean what they meant before
     (a script that goes on after a run, or runs another), and the watchdog's thread is over."""
     import signal
@@ -314,11 +314,19 @@ def test_a_run_gives_back_the_signal_handlers_and_ends_its_watchdog(tmp_path):
     from parle_hvd.data import DataError
     from parle_hvd.watchdog import Watchdog
 
+    closed = []
+    monkeypatch.setattr(Watchdog, "close", lambda self: closed.append(self) or self._closed.set())
     mine = lambda signum, frame: None  # noqa: E731
     before = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGINT)}
+    small = ["data.train_limit=256", "data.test_limit=100", "train.epochs=1"]
     try:
-        train(_cfg(tmp_path / "a", "data.train_limit=256", "data.test_limit=100", "train.epochs=1"))
+        train(_cfg(tmp_path / "a", *small))
         assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is mine
+        assert len(closed) == 1                                  # the run's own watchdog
+        train(_cfg(tmp_path / "k", *small), give_back_signals=False)      # train.py's way: its process ends next
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        signal.signal(signal.SIGTERM, mine)
+        signal.signal(signal.SIGINT, mine)
         bad = _cfg(tmp_path / "b", "data.train_limit=256", "data.test_limit=100", "train.epochs=1",
                    "data.name=folder", f"data.dir={tmp_path / 'none'}")
         with pytest.raises(DataError):    # a run that fails (its data folder is missing) gives them back too
@@ -330,6 +338,6 @@ def test_a_run_gives_back_the_signal_handlers_and_ends_its_watchdog(tmp_path):
     others = set(threading.enumerate())
     dog = Watchdog(5.0, 0, 2)            # two ranks: its thread runs
     (t,) = [x for x in threading.enumerate() if x not in others and x.name == "parle-watchdog"]
-    dog.close()
+    Watchdog.close(dog)
     t.join(2.0)
     assert not t.is_alive()
