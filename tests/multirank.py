@@ -197,6 +197,17 @@ def run_ranks(script: str | Path, *, controller: str = DEFAULT, np: int = 2, arg
     return results
 
 
+def run_sweep(runs, **kw) -> list[dict]:
+    """Several train.py command lines (each a list starting with ``--config``) as one job:
+    tests/ranks/sweep_rank.py runs them one after the other in the same ranks, each in its
+    own run directory with its own counts; one start of the ranks instead of one per run.
+    ``kw`` as for ``run_ranks`` (no rank reports)."""
+    args = []
+    for argv in runs:
+        args += [*(["--"] if args else []), *map(str, argv)]
+    return run_ranks(ROOT / "tests/ranks/sweep_rank.py", args=args, reports=False, **kw)
+
+
 def rank_process(job: RankJob, rank: int, script: str = "train_rank.py"):
     """The psutil process of ``rank`` in ``job`` (its HOROVOD_RANK under horovodrun, its
     RANK under torchrun), or None."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ENGINE_OF, ROOT, run_ranks
+from multirank import ENGINE_OF, ROOT, run_ranks, run_sweep
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model, sync_tensors
 from parle_hvd.exchange import SLOT
@@ -49,13 +49,9 @@ def every_algorithm(tmp_path_factory):
     def runs(controller):
         if controller not in done:
             d = tmp_path_factory.mktemp(f"algos-{controller}")
-            argv = []
-            for a in ALGOS:
-                argv += [*(["--"] if argv else []), "--config", "configs/fashion_parle.yaml", f"algo={a}", *COMMON,
-                         f"run.dir={d / a}"]
             try:
-                run_ranks(ROOT / "tests/ranks/sweep_rank.py", controller=controller, timeout=400, reports=False,
-                          args=argv)
+                run_sweep([["--config", "configs/fashion_parle.yaml", f"algo={a}", *COMMON, f"run.dir={d / a}"]
+                           for a in ALGOS], controller=controller, timeout=400)
                 done[controller] = {a: d / a for a in ALGOS}
             except Exception as e:        # failed once: the other six tests report it, not run it again
                 done[controller] = e

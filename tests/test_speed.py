@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
+from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks, run_sweep
 from parle_hvd.config import make_config
 from parle_hvd.trainer import train
 
@@ -88,13 +88,11 @@ def test_dpsgd_accumulation_under_both_engines_equals_the_whole_batch(tmp_path, 
     """dpsgd on 2 ranks, float64: Horovod's DistributedOptimizer (backward_passes_per_step)
     and DDP (no_sync) average the accumulated gradients once per step, and accum=2 ends
     with the weights of accum=1 to 1e-12, with the same number of allreduce calls."""
-    runs = {}
-    for a in (1, 2):
-        d = tmp_path / f"a{a}"
-        run_ranks(TRAIN, controller=controller, env=ENV, timeout=180, reports=False,
-                  args=["--config", "configs/fashion_dpsgd.yaml", *MLP, "model.dtype=float64", "train.epochs=1",
-                        f"train.accum={a}", f"run.dir={d}"])
-        runs[a] = json.loads((d / "summary.json").read_text()), torch.load(d / "final.pt")
+    run_sweep([["--config", "configs/fashion_dpsgd.yaml", *MLP, "model.dtype=float64", "train.epochs=1",
+                f"train.accum={a}", f"run.dir={tmp_path / f'a{a}'}"] for a in (1, 2)],
+              controller=controller, env=ENV, timeout=180)       # the two runs as one job
+    runs = {a: (json.loads((tmp_path / f"a{a}" / "summary.json").read_text()), torch.load(tmp_path / f"a{a}" / "final.pt"))
+            for a in (1, 2)}
     _assert_close(runs[1][1], runs[2][1], 1e-12)
     assert runs[1][0]["allreduce_calls"] == runs[2][0]["allreduce_calls"]
     assert runs[2][0]["accum"] == 2
