@@ -33,7 +33,7 @@ def folder(tmp_path_factory):
 def args(folder, algo, run_dir, *extra):
     return ["--config", "configs/fashion_parle.yaml", f"algo={algo}", "data.name=folder", f"data.dir={folder}",
             "data.stream=true", "data.workers=2", "data.stats_sample=5000", "parle.sync_period=5", "train.block=5",
-            "train.batch_size=64", "train.epochs=3", "run.ckpt_every=3", "eval.every=1", "eval.bn_batches=5",
+            "train.batch_size=64", "train.epochs=2", "run.ckpt_every=3", "eval.every=1", "eval.bn_batches=5",
             "model.dtype=float64", "dist.threads=1", "run.tensorboard=false", "run.progress=lines",
             f"run.dir={run_dir}", *extra]
 
