@@ -86,7 +86,7 @@ def summary(t) -> dict:
             "channels_last": cfg.train.channels_last, "skipped_steps": opt.skipped_steps,
             "step_ms": t.perf[0] / max(t.perf[1], 1),
             "samples_per_sec_per_device": t.samples / max(t.wall(), 1e-9) / t.world,
-            "device_mem_gb": device_mem_gb(t.dev), "compile_graphs": compiled_graphs() - getattr(t, "graphs0", 0) if cfg.train.compile else 0,
+            "device_mem_gb": device_mem_gb(t.dev), "compile_graphs": compiled_graphs() - t.graphs0 if cfg.train.compile else 0,
             "elastic": cfg.dist.elastic, "elastic_events": t.member.events if t.member else [],
             "elastic_commit_seconds": t.member.commit_seconds if t.member else 0.0,
             "config": to_dict(cfg)}

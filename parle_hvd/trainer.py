@@ -133,13 +133,15 @@ class Trainer:
             raise
         finally:
             self.dog.close()
-            if self.feed is not None:     # end the DataLoader workers on every way out
-                self.feed.close()
-            if self.log is not None:      # and flush the logs (TensorBoard's too): nothing is left to exit
-                with contextlib.suppress(OSError):      # a full disk: the error on its way out is the one to tell
-                    self.log.close()
-            if self.give_back_signals:    # last: a signal during the above still only asks for a stop
-                self.stop.uninstall()
+            try:
+                if self.feed is not None:     # end the DataLoader workers on every way out
+                    self.feed.close()
+                if self.log is not None:      # and flush the logs (TensorBoard's too): nothing is left to exit
+                    with contextlib.suppress(OSError):      # a full disk: the error on its way out is the one to tell
+                        self.log.close()
+            finally:
+                if self.give_back_signals:    # last: a signal during the above still only asks for a stop
+                    self.stop.uninstall()
 
     def _run(self) -> dict:
         cfg = self.cfg
