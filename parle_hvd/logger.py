@@ -58,6 +58,21 @@ class RunLogger:
                 if v is not None:
                     self.tb.add_scalar(k, v, step)
 
+    def ensure_row(self, step: int, values: dict) -> None:
+        """Write outer step ``step``'s training row unless metrics.jsonl already has it (an
+        elastic reset: the rank 0 that was lost may have died between the step and its row)."""
+        if not self.enabled:
+            return
+        key = next(iter(values), None)
+        for line in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("step") == step and key in row:
+                return
+        self.scalars(step, values)
+
     def text(self, tag: str, text: str) -> None:
         if self.enabled and self.tb:
             self.tb.add_text(tag, "```\n" + text + "\n```")

@@ -74,6 +74,7 @@ class Membership:
         self.t = trainer
         self.restarts = restarts     # torchrun's agent: no commits, no in-job changes
         self.committed = None        # this rank's last commit
+        self.committed_row = None    # the metrics row of the committed step, if it was a logged one
         self.events: list = []       # every change of the world, for the summary
         self.commit_seconds = 0.0    # time spent committing (this process)
         self.restored = False
@@ -113,6 +114,8 @@ class Membership:
         the GPU, where it would double the model's footprint)."""
         if self.t.built:
             t0 = time.monotonic()
+            row = self.t.last_row
+            self.committed_row = row if row is not None and row[0] == self.t.k else None
             self.committed = host_copy(self.t.state_dict())
             self.commit_seconds += time.monotonic() - t0
 
@@ -135,6 +138,8 @@ class Membership:
             return
         t.opt.resize(t.world, t.rank)
         t.open_log(t.k)
+        if self.committed_row is not None and self.committed_row[0] == t.k:
+            t.log.ensure_row(*self.committed_row)    # the lost rank 0 may have died before writing it
         why = "a rank failed; back to the last commit" if self.restored else "hosts changed"
         t.log.info(f"elastic: {why}: {old} -> {t.world} rank(s) after outer step {t.k}")
         self.events.append({"step": t.k, "from": old, "to": t.world, "why": why})

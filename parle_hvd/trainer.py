@@ -115,6 +115,7 @@ class Trainer:
         self.log = self.opt = None
         self.built, self.resumed_from, self.ckpt_world, self.t_start = False, None, self.world, time.monotonic()
         self.obj = self.ds = self.feed = None      # the objective and the data: build()
+        self.last_row = None         # (outer step, scalars) of the last step logged
 
     @property
     def k(self) -> int:
@@ -464,8 +465,12 @@ class Trainer:
         self.last_loss, self.loss_step = float(rows[:, 0].mean()), r.step
         self.perf[0] += 1000 * float(rows[:, COL["step_seconds"]].mean())
         self.perf[1] += 1
-        if self.rank == 0 and (r.step % self.log_every_steps == 0 or r.step == self.K):
-            self.log.scalars(r.step, report.step_scalars(self, r))
+        if r.step % self.log_every_steps == 0 or r.step == self.K:
+            # every rank makes the row (the same everywhere): in elastic mode rank 0 may be lost
+            # after this step's commit, before it writes the row; the new rank 0 writes it then
+            self.last_row = (r.step, report.step_scalars(self, r))
+            if self.rank == 0:
+                self.log.scalars(*self.last_row)
         bad = [i for i in range(len(rows)) if rows[i, COL["nonfinite"]] > 0]
         if bad:
             last = checkpoint.latest_complete(self.run_dir, self.world)

@@ -341,3 +341,21 @@ def test_a_run_gives_back_the_signal_handlers_and_ends_its_watchdog(tmp_path, mo
     Watchdog.close(dog)
     t.join(2.0)
     assert not t.is_alive()
+
+
+def test_logger_writes_a_missing_row_once_after_an_elastic_reset(tmp_path):
+    """Elastic mode: rank 0 may be lost after a step's commit but before it wrote the step's
+    row; the new rank 0 reopens the log at the committed step and writes that row once."""
+    from parle_hvd.logger import RunLogger
+    log = RunLogger(tmp_path, enabled=True, tensorboard=False, progress="lines", total=10)
+    for k in (5, 10, 15):
+        log.scalars(k, {"train/loss": 1.0 / k})
+    log.close()
+    log = RunLogger(tmp_path, enabled=True, tensorboard=False, progress="lines", total=30, start_step=20)
+    log.ensure_row(15, {"train/loss": 0.5})           # present: not written again
+    log.ensure_row(20, {"train/loss": 0.05})          # missing: written
+    log.ensure_row(20, {"train/loss": 0.05})
+    log.close()
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(5, 0.2), (10, 0.1), (15, 1 / 15), (20, 0.05)]
+    RunLogger(tmp_path, enabled=False, tensorboard=False, progress="lines", total=1).ensure_row(25, {"a": 1})  # a no-op off rank 0
