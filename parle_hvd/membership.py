@@ -114,9 +114,9 @@ class Membership:
         the GPU, where it would double the model's footprint)."""
         if self.t.built:
             t0 = time.monotonic()
+            self.committed = host_copy(self.t.state_dict())     # (waits for any sync in flight)
             row = self.t.last_row
             self.committed_row = row if row is not None and row[0] == self.t.k else None
-            self.committed = host_copy(self.t.state_dict())
             self.commit_seconds += time.monotonic() - t0
 
     def restore(self) -> None:

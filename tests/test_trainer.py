@@ -350,12 +350,29 @@ def test_logger_writes_a_missing_row_once_after_an_elastic_reset(tmp_path):
     log = RunLogger(tmp_path, enabled=True, tensorboard=False, progress="lines", total=10)
     for k in (5, 10, 15):
         log.scalars(k, {"train/loss": 1.0 / k})
+    log.scalars(20, {"val/accuracy": 0.5})            # an evaluation row at the committed step
+    log.scalars(25, {"train/loss": 0.04})             # a step after the commit: replayed
     log.close()
     log = RunLogger(tmp_path, enabled=True, tensorboard=False, progress="lines", total=30, start_step=20)
     log.ensure_row(15, {"train/loss": 0.5})           # present: not written again
-    log.ensure_row(20, {"train/loss": 0.05})          # missing: written
+    log.ensure_row(20, {"train/loss": 0.05})          # missing (the evaluation row does not count): written
     log.ensure_row(20, {"train/loss": 0.05})
     log.close()
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["train/loss"]) for r in rows] == [(5, 0.2), (10, 0.1), (15, 1 / 15), (20, 0.05)]
+    assert [(r["step"], r.get("train/loss")) for r in rows] == [(5, 0.2), (10, 0.1), (15, 1 / 15), (20, None),
+                                                                 (20, 0.05)]
     RunLogger(tmp_path, enabled=False, tensorboard=False, progress="lines", total=1).ensure_row(25, {"a": 1})  # a no-op off rank 0
+
+
+def test_an_elastic_commit_keeps_the_committed_steps_row_only():
+    """Membership.commit keeps the row of the step it commits (for a new rank 0 to write),
+    never an older one."""
+    from types import SimpleNamespace
+    from parle_hvd.membership import Membership
+    t = SimpleNamespace(built=True, k=25, last_row=(25, {"train/loss": 0.3}), state_dict=lambda: {"w": torch.ones(2)})
+    m = Membership(t, restarts=True)
+    m.commit()
+    assert m.committed_row == (25, {"train/loss": 0.3}) and torch.equal(m.committed["w"], torch.ones(2))
+    t.k = 27                                 # step 27 was not a logged one: its commit has no row
+    m.commit()
+    assert m.committed_row is None
