@@ -465,10 +465,10 @@ class Trainer:
         self.last_loss, self.loss_step = float(rows[:, 0].mean()), r.step
         self.perf[0] += 1000 * float(rows[:, COL["step_seconds"]].mean())
         self.perf[1] += 1
-        if r.step % self.log_every_steps == 0 or r.step == self.K:
-            # every rank makes the row (losses and plan the same everywhere, timings its own): in
-            # elastic mode rank 0 may be lost after this step's commit, before it writes the row;
-            # the new rank 0 writes its own then
+        if (self.rank == 0 or self.member is not None) and (r.step % self.log_every_steps == 0 or r.step == self.K):
+            # rank 0 writes the row; in elastic mode every rank makes it (losses and plan the same
+            # everywhere, timings its own): rank 0 may be lost after this step's commit, before it
+            # writes the row, and the new rank 0 writes its own then
             self.last_row = (r.step, report.step_scalars(self, r))
             if self.rank == 0:
                 self.log.scalars(*self.last_row)
