@@ -81,7 +81,7 @@ def summary(t) -> dict:
             "resumed_from": t.resumed_from,
             "data_streamed": t.ds.streamed, "data_workers": cfg.data.workers if t.ds.streamed else 0,
             "data_worker_start": t.ds.context if t.ds.streamed and cfg.data.workers else None,
-            "data_corrupt_skipped": t.feed.skipped,
+            "data_corrupt_skipped": t.corrupt_skipped,
             "precision": cfg.train.precision, "accum": cfg.train.accum, "compile": cfg.train.compile,
             "channels_last": cfg.train.channels_last, "skipped_steps": opt.skipped_steps,
             "step_ms": t.perf[0] / max(t.perf[1], 1),

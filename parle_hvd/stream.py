@@ -666,10 +666,18 @@ def _options(c, gpu: bool) -> dict:
 
 
 def image_size_of(t: Table, c) -> int:
+    """data.image_size, or (0) the first training image's width: with data.skip_corrupt,
+    the first readable one's (the in-memory path's rule, which only reads readable sets)."""
     if c.image_size:
         return c.image_size
-    with D.open_image(t.read(0), t.name(0)) as im:
-        return im.size[0]
+    for i in range(len(t)):
+        try:
+            with D.open_image(t.read(i), t.name(i)) as im:
+                return im.size[0]
+        except DataError:
+            if not c.skip_corrupt:
+                raise
+    raise DataError(f"data.skip_corrupt: every one of the {len(t)} training images is unreadable")
 
 
 def open_images(c, seed: int, *, gpu: bool = False) -> StreamedData:

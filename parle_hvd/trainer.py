@@ -242,6 +242,7 @@ class Trainer:
         self.last_val = (float("nan"), float("nan"))       # test metric and loss at the last evaluation
         self.last_valid = (float("nan"), float("nan"))     # the same on the validation split (data.val_frac)
         self.spread = (float("nan"), float("nan"))
+        self.corrupt_skipped = 0     # every rank's corrupt images skipped (data.skip_corrupt), summed at the last evaluation
         self.built = True
 
     def open_log(self, start_step: int) -> None:
@@ -328,7 +329,7 @@ class Trainer:
         """The loop's counters, sent to a replica that joins (elastic mode)."""
         return {"k": self.k, "plans": self.opt.plans_state(), "evals": self.evals, "samples": self.samples,
                 "last_val": self.last_val, "last_valid": self.last_valid, "spread": self.spread,
-                "wall": self.wall(), "eval_wall": self.eval_wall, "resumed_from": self.resumed_from,
+                "corrupt_skipped": self.corrupt_skipped, "wall": self.wall(), "eval_wall": self.eval_wall, "resumed_from": self.resumed_from,
                 "ref_n": self.opt.ref_n}
 
     def load_run_state(self, st: dict) -> None:
@@ -336,6 +337,7 @@ class Trainer:
         self.opt.k, self.opt.ref_n, self.evals, self.samples = st["k"], st["ref_n"], st["evals"], st["samples"]
         self.opt.load_plans(st["plans"])
         self.last_val, self.last_valid, self.spread = tuple(st["last_val"]), tuple(st["last_valid"]), tuple(st["spread"])
+        self.corrupt_skipped = st["corrupt_skipped"]
         self.wall_before, self.eval_wall, self.resumed_from = st["wall"], st["eval_wall"], st["resumed_from"]
 
     def state_dict(self) -> dict:
@@ -349,7 +351,8 @@ class Trainer:
                 "scaler": self.scaler.state_dict(), "data_skipped": self.feed.skipped,
                 "comm": comm.stats().as_dict(), "wall": self.wall(), "eval_wall": self.eval_wall,
                 "evals": self.evals, "samples": self.samples, "last_val": list(self.last_val),
-                "last_valid": list(self.last_valid), "spread": list(self.spread), "config": to_dict(self.cfg)}
+                "last_valid": list(self.last_valid), "spread": list(self.spread),
+                "corrupt_skipped": self.corrupt_skipped, "config": to_dict(self.cfg)}
 
     def load_state(self, st: dict) -> None:
         """Back to the state ``st`` (a checkpoint or a commit) describes; counters of time
@@ -365,6 +368,7 @@ class Trainer:
         set_rng_state(st, self.dev)
         self.evals, self.samples, self.last_val = st["evals"], st["samples"], tuple(st["last_val"])
         self.spread = tuple(st.get("spread", self.spread))
+        self.corrupt_skipped = int(st.get("corrupt_skipped", self.feed.skipped))
         self.last_valid = tuple(st.get("last_valid", self.last_valid))
 
     def save_ckpt(self, k: int, *, last: bool) -> None:
@@ -509,10 +513,11 @@ class Trainer:
             # reused (a weight swap is no recompile; eval mode is one, at the first evaluation)
             with self.opt.reference(form=False):
                 acc, vloss, drows, valid = evaluate(self.net, ds, self.rank, self.world, cfg.eval.batch_size,
-                                                    self.dtype, self.dev, [self.opt.dist_prev], self.obj,
+                                                    self.dtype, self.dev, [self.opt.dist_prev, self.feed.skipped], self.obj,
                                                     forward=self._eval_forward)
         if self.opt.algo.syncs:
-            self.spread = (float(drows.mean()), float(drows.max()))   # ||x_a - xbar|| now, every replica
+            self.spread = (float(drows[:, 0].mean()), float(drows[:, 0].max()))   # ||x_a - xbar|| now, every replica
+        self.corrupt_skipped = int(drows[:, 1].sum())   # rides on the evaluation's allreduce: no collective of its own
         self.evals += 1
         self.eval_wall += time.monotonic() - t_eval
         self.last_val = (acc, vloss)

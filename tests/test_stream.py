@@ -322,6 +322,14 @@ def test_corrupt_image_one_line_or_skipped_and_counted(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "skip/summary.json").read_text())
     assert s["data_corrupt_skipped"] == 2                    # two passes, the bad file once in each
+    # data.image_size=0 takes the first training image's width: the first readable one's
+    first = sorted((d / "train").rglob("*.jpg"))[0]
+    first.write_bytes(b"not an image")
+    with pytest.raises(DataError, match=rf"{first.name}: unreadable or corrupt image"):
+        load_data(cfg_of(d, "data.stream=true", "data.image_size=0"))
+    ds = load_data(cfg_of(d, "data.stream=true", "data.image_size=0", "data.skip_corrupt=true"))
+    with Image.open(sorted((d / "train").rglob("*.jpg"))[1]) as im:
+        assert ds.shape[1:] == (im.size[0], im.size[0])
     cks = sorted((tmp_path / "skip").rglob("rank-0.pt"))
     assert cks and torch.load(cks[-1], weights_only=True)["data_skipped"] == 2
 

@@ -1,8 +1,11 @@
-"""Streamed data on 2 ranks (horovodrun --gloo; mpirun for dpsgd): a run killed with -9 in the
-middle of a pass (DataLoader workers on) and resumed ends with the uninterrupted run's weights,
-bit for bit, for Parle and dpsgd; a streamed image folder trains to the same weights and accuracy as the
-same folder held in memory; a rank still loading its data is waited for, a stuck one named."""
+"""Streamed data on 2 ranks: a run killed with -9 in the middle of a pass (DataLoader workers
+on) and resumed ends with the uninterrupted run's weights, bit for bit, for Parle on an image
+folder (horovodrun --gloo) and dpsgd on tar shards (mpirun; each rank its own half of the
+shards, a corrupt image in each shard skipped and counted on every rank); a streamed image
+folder trains to the same weights and accuracy as the same folder held in memory; a rank
+still loading its data is waited for, a stuck one named."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,7 @@ import torch
 from PIL import Image
 
 from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
+from parle_hvd import checkpoint, shards
 from parle_hvd.data import load_dataset
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -30,8 +34,24 @@ def folder(tmp_path_factory):
     return d
 
 
-def args(folder, algo, run_dir, *extra):
-    return ["--config", "configs/fashion_parle.yaml", f"algo={algo}", "data.name=folder", f"data.dir={folder}",
+@pytest.fixture(scope="module")
+def tar_shards(folder, tmp_path_factory):
+    """The same images as 10 training shards of 256 (5 per dpsgd rank), the first image of
+    each shard overwritten in place by zeros (the index still points at it): a corrupt file
+    in every shard, so each rank skips 5 per pass."""
+    d = tmp_path_factory.mktemp("fashion-shards") / "s"
+    assert shards.write(str(folder), str(d), per_shard=256, seed=1)["train_shards"] == 10
+    for f in shards.shard_files(d / "train"):
+        _, off, size, _ = shards.shard_index(f)[0]
+        with open(f, "r+b") as fh:
+            fh.seek(off)
+            fh.write(bytes(size))
+    return d
+
+
+def args(data, algo, run_dir, *extra):
+    kind = "shards" if data.name == "s" else "folder"
+    return ["--config", "configs/fashion_parle.yaml", f"algo={algo}", f"data.name={kind}", f"data.dir={data}",
             "data.stream=true", "data.workers=2", "data.stats_sample=5000", "parle.sync_period=5", "train.block=5",
             "train.batch_size=64", "train.epochs=2", "run.ckpt_every=3", "eval.every=1", "eval.bn_batches=5",
             "model.dtype=float64", "dist.threads=1", "run.tensorboard=false", "run.progress=lines",
@@ -42,20 +62,22 @@ def final(d):
     return torch.load(d / "final.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("algo,controller", [("parle", "gloo"), ("dpsgd", "mpi")])
-def test_streamed_resume_after_kill9_mid_pass_is_bit_identical(tmp_path, folder, algo, controller):
+@pytest.mark.parametrize("algo,controller,data", [("parle", "gloo", "folder"), ("dpsgd", "mpi", "tar_shards")])
+def test_streamed_resume_after_kill9_mid_pass_is_bit_identical(tmp_path, request, algo, controller, data):
     """Under mpirun, data.worker_start=auto starts the workers from a fork server (no fork
     after MPI_Init): the killed rank's workers end with it, and the resumed run's workers
     start at the saved position all the same."""
+    data = request.getfixturevalue(data)
+    extra = ["data.skip_corrupt=true"] if data.name == "s" else []
     a, b = tmp_path / "a", tmp_path / "b"
-    run_ranks(TRAIN, controller=controller, args=args(folder, algo, a), timeout=300, reports=False)
-    job = RankJob([TRAIN, *args(folder, algo, b)], controller=controller)
+    run_ranks(TRAIN, controller=controller, args=args(data, algo, a, *extra), timeout=300, reports=False)
+    job = RankJob([TRAIN, *args(data, algo, b, *extra)], controller=controller)
     killed_at = kill9_after_first_checkpoint(job, b)
     s_a = json.loads((a / "summary.json").read_text())
     assert not (b / "summary.json").exists() and killed_at < s_a["outer_steps"]
     nb = 40 if algo == "parle" else 20           # batches per pass: all 2560 (parle), or a rank's half (dpsgd)
     assert (killed_at * 5) % nb != 0             # the checkpoint is in the middle of a pass
-    out = run_ranks(TRAIN, controller=controller, args=args(folder, algo, b, "run.resume=true"), timeout=300,
+    out = run_ranks(TRAIN, controller=controller, args=args(data, algo, b, *extra, "run.resume=true"), timeout=300,
                     reports=False)
     assert "resumed from checkpoint step" in out[0]["_output"]
     s_b = json.loads((b / "summary.json").read_text())
@@ -65,10 +87,15 @@ def test_streamed_resume_after_kill9_mid_pass_is_bit_identical(tmp_path, folder,
     for k in fa:
         assert torch.equal(fa[k], fb[k]), k
     assert s_a["val_accuracy"] == s_b["val_accuracy"] and s_a["allreduce_calls"] == s_b["allreduce_calls"]
+    if data.name == "s":
+        # every rank's skips, summed: 5 shards a rank, one corrupt image in each, 2 passes
+        last = checkpoint.step_dir(b, max(checkpoint.steps(b)))
+        per_rank = [torch.load(last / f"rank-{r}.pt", weights_only=True)["data_skipped"] for r in range(2)]
+        assert per_rank == [10, 10] and s_a["data_corrupt_skipped"] == s_b["data_corrupt_skipped"] == 20, per_rank
     if algo == "parle":
         # The held-out folder check, in memory: the same weights and test accuracy as streamed.
         m = tmp_path / "m"
-        run_ranks(TRAIN, controller="gloo", args=args(folder, algo, m, "data.stream=false"), timeout=300,
+        run_ranks(TRAIN, controller="gloo", args=args(data, algo, m, "data.stream=false"), timeout=300,
                   reports=False)
         s_m = json.loads((m / "summary.json").read_text())
         assert not s_m["data_streamed"] and s_m["val_accuracy"] == s_a["val_accuracy"] > 0.7
