@@ -37,7 +37,7 @@ def main(argv=None):
     emit("bytes_per_sample_target_met", int(b["parle"] / b["dpsgd"] <= 1 / L))
     # what the sync carries beyond dpsgd's gradients: BatchNorm statistics, schedule, slots
     p = per["parle"]
-    eval_bytes = 8 * (3 + p["world_size"])          # float64 sums + one slot per replica
+    eval_bytes = 8 * (3 + 2 * p["world_size"])      # float64 sums + two slots per replica
     sync_bytes = (p["allreduce_bytes"] - p["evaluations"] * eval_bytes) / (p["outer_steps"] + 1)
     emit("parle_sync_bytes_over_weight_bytes", sync_bytes / (4 * p["params"]))
     emit("calls_per_sample_ratio", (per["parle"]["allreduce_calls"] / per["parle"]["samples_seen"])

@@ -73,7 +73,7 @@ def test_every_algorithm_on_two_ranks_communicates_as_designed(every_algorithm, 
     model, P, S = _lenet_sizes()
     n_tensors = len(list(model.parameters()))
     K, E, Lk = s["outer_steps"], s["evaluations"], s["sync_period"]
-    eval_bytes = 8 * (3 + 2 * 1)             # float64 [correct, loss, count] + one slot per replica
+    eval_bytes = 8 * (3 + 2 * 2)             # float64 [correct, loss, count] + two slots per replica (distance, skipped images)
     slots = 2 * len(SLOT)                     # one row per rank: loss, loss_max, distance, flags, step seconds
     plans = 2 * 2 * (3 + 2)                   # two steps' plans (gk, rk, lr, 2 replicas' inner steps), hi and lo
     sync_bytes = 4 * (S + plans + slots)      # float32: weights + BN stats, rank 0's plans, the slot rows
