@@ -116,8 +116,12 @@ def test_losing_the_coordinator_leaves_two_ranks_going_on_from_the_last_commit(t
 
     dump = tmp_path / "reform"
     dump.mkdir()
+    # a survivor waiting on a live peer notices the loss at Horovod's Gloo timeout (30 s by
+    # default): 10 s here. Horovod's background loops answer each other every few ms, so a
+    # slow rank (loading, evaluating) never comes near it.
     rc, out, s, d, killed_at = _elastic_run(tmp_path, "kill", 3, 3, at_step=25, action=kill_rank0,
-                                            env_extra={"PARLE_HVD_DUMP_REFORM": str(dump)})
+                                            env_extra={"PARLE_HVD_DUMP_REFORM": str(dump),
+                                                       "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
     assert killed_at and killed_at < K // 2, out[-4000:]
     assert rc == 0 and s, out[-4000:]
     # finished, with the two survivors, every outer step done once
