@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from multirank import ENGINE_OF, ROOT, MultiRankError, horovod_installed, run_ranks
+from multirank import ENGINE_OF, ROOT, MultiRankError, RankJob, horovod_installed, run_ranks
 
 # Horovod's engine under horovodrun --gloo and mpirun; torch.distributed's under torchrun and mpirun
 HVD = pytest.mark.horovod     # skipped where Horovod is not installed (conftest.py)
@@ -76,39 +76,62 @@ print('OK')
     assert out.stdout.strip() == "OK"
 
 
-def _leftovers(marker: str):
+def _leftovers(marker: str, job=None):
+    """Processes with ``marker`` in their command line (of ``job`` only: its PARLE_TEST_OUT)."""
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if any(marker in c for c in (p.info["cmdline"] or [])):
+            if any(marker in c for c in (p.info["cmdline"] or [])) and \
+                    (job is None or p.environ().get("PARLE_TEST_OUT") == str(job.out)):
                 found.append(p.info)
         except psutil.Error:
             pass
     return found
 
 
+HANG_CONTROLLERS = ("gloo", "mpi", "torchrun") if horovod_installed() else ("torchrun",)   # mpi-torch's = torchrun's
+HANG_TIMEOUT = 15     # the three start together (6 ranks on the cores); alone each starts in 2-3 s
+
+
+@pytest.fixture(scope="module")
+def hang_jobs():
+    """The silent-rank jobs, started together: each waits out the harness's timeout with its
+    ranks asleep, so they wait side by side rather than one after the other."""
+    jobs = {c: RankJob([ROOT / "tests/ranks/die.py", "hang"], controller=c, np=2) for c in HANG_CONTROLLERS}
+    yield jobs
+    for j in jobs.values():
+        if j.proc.poll() is None:
+            j.kill()
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("controller,mode", [pytest.param(c, m, marks=[HVD] if c in ("gloo", "mpi") else [])
-                                             for c in ("gloo", "mpi", "torchrun", "mpi-torch") for m in ("kill", "hang")
-                                             if not (c == "mpi-torch" and m == "hang")])   # = torchrun's hang
-def test_dead_or_silent_rank_fails_within_timeout_and_leaves_nothing(controller, mode):
+                                             for m in ("kill", "hang") for c in ("gloo", "mpi", "torchrun", "mpi-torch")
+                                             if not (c == "mpi-torch" and m == "hang")])
+def test_dead_or_silent_rank_fails_within_timeout_and_leaves_nothing(request, controller, mode):
     """Rank 1 dies with SIGKILL, or stops answering; rank 0 waits in an allreduce. The
     launcher may notice (horovodrun and mpirun abort the job when a rank dies); when it
     does not (a silent rank under Gloo hangs forever) the harness kills the whole tree at
     its timeout. Either way: an error with both ranks' output within the timeout, and no
     process left behind."""
-    timeout = 10      # the ranks start in 2-3 s (torch and comm.init only); the harness kills a silent job at 10
-    t0 = time.monotonic()
-    with pytest.raises(MultiRankError) as ei:
-        run_ranks(ROOT / "tests/ranks/die.py", controller=controller, np=2, timeout=timeout,
-                  args=[mode])
+    if mode == "kill":
+        timeout, t0 = 10, time.monotonic()
+        with pytest.raises(MultiRankError) as ei:
+            run_ranks(ROOT / "tests/ranks/die.py", controller=controller, np=2, timeout=timeout, args=[mode])
+    else:
+        job, timeout = request.getfixturevalue("hang_jobs")[controller], HANG_TIMEOUT
+        t0 = job.t0
+        with pytest.raises(MultiRankError) as ei:
+            rc = job.wait(timeout)              # raises at the timeout, having killed the tree
+            raise MultiRankError(f"{controller} job exited {rc} on its own; output:\n{job.output}")
+        assert "timed out" in str(ei.value), ei.value
     elapsed = time.monotonic() - t0
     msg = str(ei.value)
     assert elapsed < timeout + 15, elapsed
     assert f"rank 1 about to {'die' if mode == 'kill' else 'hang'}" in msg
     assert "rank 0 entering allreduce" in msg
     time.sleep(0.5)
-    assert _leftovers("tests/ranks/die.py") == []
+    assert _leftovers("tests/ranks/die.py", job if mode == "hang" else None) == []   # (the other hang jobs may run on)
 
 
 # ------------------------------------------------------------------------ engine selection
