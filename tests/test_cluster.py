@@ -144,7 +144,7 @@ def test_two_hosts_horovodrun_and_mpirun_over_throttled_link(tmp_path):
             for rate in (None, "10mbit"):
                 lab.set_rate(rate)
                 d = tmp_path / f"dpsgd-{rate}"
-                rc, out = run_command(["launch/local.sh", *HOSTS_SMALL, "algo=dpsgd", "train.block=10", "train.epochs=2",
+                rc, out = run_command(["launch/local.sh", *HOSTS_SMALL, "algo=dpsgd", "train.block=10", "train.epochs=1",
                                        "eval.every=100", f"run.dir={d}"], env=env, timeout=300)
                 assert rc == 0, out
                 s = _summary(d)
