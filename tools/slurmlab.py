@@ -90,6 +90,10 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/builtin
+# the main scheduling pass every 2 s (default 60): a requeued job is eligible again only
+# after its credential expires, and no event wakes the scheduler then, so with the default
+# it waited for the next pass (52 s seen here)
+SchedulerParameters=sched_interval=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
