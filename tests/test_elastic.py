@@ -118,7 +118,8 @@ def test_losing_the_coordinator_leaves_two_ranks_going_on_from_the_last_commit(t
     dump.mkdir()
     # a survivor waiting on a live peer notices the loss at Horovod's Gloo timeout (30 s by
     # default): 10 s here. Horovod's background loops answer each other every few ms, so a
-    # slow rank (loading, evaluating) never comes near it.
+    # slow rank (loading, evaluating) never comes near it; it also bounds how far apart the
+    # ranks may reach each rendezvous (hvd.init, a reset): they start together here.
     rc, out, s, d, killed_at = _elastic_run(tmp_path, "kill", 3, 3, at_step=25, action=kill_rank0,
                                             env_extra={"PARLE_HVD_DUMP_REFORM": str(dump),
                                                        "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"})
