@@ -329,8 +329,8 @@ class Trainer:
         """The loop's counters, sent to a replica that joins (elastic mode)."""
         return {"k": self.k, "plans": self.opt.plans_state(), "evals": self.evals, "samples": self.samples,
                 "last_val": self.last_val, "last_valid": self.last_valid, "spread": self.spread,
-                "corrupt_skipped": self.corrupt_skipped, "wall": self.wall(), "eval_wall": self.eval_wall, "resumed_from": self.resumed_from,
-                "ref_n": self.opt.ref_n}
+                "corrupt_skipped": self.corrupt_skipped, "wall": self.wall(), "eval_wall": self.eval_wall,
+                "resumed_from": self.resumed_from, "ref_n": self.opt.ref_n}
 
     def load_run_state(self, st: dict) -> None:
         """The counters ``run_state`` gave; the wall clock goes on from ``st["wall"]``."""
