@@ -120,9 +120,14 @@ def test_a_rank_stuck_loading_is_named(tmp_path):
     after dist.timeout and exits 4, rather than wait forever or blame the network. The
     launcher's SIGTERM then ends rank 1 at once (nothing trained), not after its grace period."""
     out = run_ranks(TRAIN, controller="gloo", args=[*SHORT, f"run.dir={tmp_path / 'r'}"], timeout=180,
-                    env={"PARLE_HVD_INJECT_SLOW_LOAD": "1:hang"}, expect_fail=True)
+                    env={"PARLE_HVD_INJECT_SLOW_LOAD": "1:hang"}, expect_fail=True, out_dir=tmp_path / "job")
     text = out[0]["_output"]
     assert out[0]["_rc"] != 0 and "rank 1 stopped answering" in text and "loading data" in text, text
     assert "no progress for" in text
     assert "[rank 1] SIGTERM while loading data: stopped before the first outer step" in text, text
-    assert "Process 1 exit with status code 143" in text, text          # not 137: horovodrun's SIGKILL
+    # rank 1's own record, written after its exit handlers: it ended itself with 128+SIGTERM.
+    # horovodrun SIGKILLs a rank still alive 5 s after its SIGTERM, which leaves no record.
+    record = tmp_path / "job/rank1.exit"
+    assert record.exists() and record.read_text() == "143", text
+    assert not (tmp_path / "job/rank0.exit").exists()      # the watchdog's os._exit(4): no handlers
+    assert "Process 1 exit with status code 137" not in text, text
