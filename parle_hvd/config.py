@@ -50,7 +50,7 @@ class DataConfig:
     split: str = _f("full", "full: every replica sees all data; frac: replica i sees a window of "
                     "data.frac of it starting at i/n (PARLE.md)", ["full", "frac"])
     frac: float = _f(1.0, "fraction of the training data each replica sees when split=frac, in (0, 1]")
-    train_limit: int = _f(0, "use only the first N training examples (0 = all); for smoke runs")
+    train_limit: int = _f(0, "use only the first N training examples (0 = all; an IDX file is read only that far)")
     test_limit: int = _f(0, "use only the first N test examples (0 = all)")
     augment: str = _f("off", "training augmentation: off; crop (true): random 4-pixel pad-and-crop and horizontal "
                       "flip of each batch; imagenet: RandomResizedCrop + flip at decode, resize + center crop "

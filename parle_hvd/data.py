@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import os
 import struct
+import zlib
 from fractions import Fraction
 import dataclasses
 import functools
@@ -76,28 +77,68 @@ PROGRESS = [0]
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_idx(path: Path) -> np.ndarray:
-    """Read an IDX file (gzipped or not): magic 0x0000TTDD, DD big-endian uint32 dims, data."""
+def read_idx(path: Path, limit: int = 0) -> np.ndarray:
+    """Read an IDX file (gzipped or not): magic 0x0000TTDD, DD big-endian uint32 dims, data.
+
+    ``limit`` > 0: only the first ``limit`` items (along the first axis) are decoded, and a
+    gzipped file is decompressed only that far (a run with ``data.train_limit=2560`` reads
+    2 MB of Fashion-MNIST's 47, 0.3 s less per rank). The file's length is still checked
+    against its header, by the gzip trailer's size field; a file whose trailer disagrees is
+    read whole, which names the fault. The CRC of the part skipped is not checked."""
     try:
         raw = path.read_bytes()
         PROGRESS[0] += 1
-        if raw[:2] == b"\x1f\x8b":
+        gz = raw[:2] == b"\x1f\x8b"
+        if gz and limit > 0:
+            head = _idx_prefix(raw, limit)
+            if head is not None:
+                return head
+        if gz:
             raw = gzip.decompress(raw)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise DataError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
+    dims, dt, start = _idx_header(raw, path)
+    need = int(np.prod(dims)) * dt.itemsize
+    body = raw[start:]
+    if len(body) != need:
+        raise DataError(f"{path}: truncated or corrupt IDX file (expected {need} data bytes "
+                        f"for shape {dims}, found {len(body)})")
+    arr = np.frombuffer(body, dtype=dt).reshape(dims)
+    return arr[:limit] if limit > 0 else arr
+
+
+def _idx_header(raw: bytes, path: Path):
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
         raise DataError(f"{path}: not an IDX file (bad magic number)")
     ndim = raw[3]
     if len(raw) < 4 + 4 * ndim:
         raise DataError(f"{path}: truncated IDX header")
     dims = struct.unpack(f">{ndim}I", raw[4:4 + 4 * ndim])
-    dt = np.dtype(_IDX_TYPES[raw[2]])
-    need = int(np.prod(dims)) * dt.itemsize
-    body = raw[4 + 4 * ndim:]
-    if len(body) != need:
-        raise DataError(f"{path}: truncated or corrupt IDX file (expected {need} data bytes "
-                        f"for shape {dims}, found {len(body)})")
-    return np.frombuffer(body, dtype=dt).reshape(dims)
+    return dims, np.dtype(_IDX_TYPES[raw[2]]), 4 + 4 * ndim
+
+
+def _idx_prefix(gz: bytes, limit: int) -> Optional[np.ndarray]:
+    """The first ``limit`` items of a gzipped IDX file, decompressing only that far; None
+    where the header or the trailer's size (ISIZE: the uncompressed length mod 2**32) says
+    the file is not whole, for the full read to report."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    head = d.decompress(gz, 4)
+    if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_TYPES or head[3] == 0:
+        return None
+    head += d.decompress(d.unconsumed_tail, 4 * head[3])
+    if len(head) < 4 + 4 * head[3]:
+        return None
+    dims = struct.unpack(f">{head[3]}I", head[4:])
+    dt = np.dtype(_IDX_TYPES[head[2]])
+    whole = len(head) + int(np.prod(dims)) * dt.itemsize
+    if len(gz) < 18 or struct.unpack("<I", gz[-4:])[0] != whole % 2 ** 32:
+        return None
+    n = min(limit, dims[0])
+    want = n * int(np.prod(dims[1:])) * dt.itemsize
+    body = d.decompress(d.unconsumed_tail, want)
+    if len(body) != want:
+        return None
+    return np.frombuffer(body, dtype=dt).reshape((n, *dims[1:]))
 
 
 def _find(d: Path, stem: str) -> Optional[Path]:
@@ -124,7 +165,7 @@ _SOURCES = {
 _STATS = {"fashion-mnist": ((0.2860,), (0.3530,)), "mnist": ((0.1307,), (0.3081,))}
 
 
-def load_idx_dataset(name: str, directory: str = "") -> Dataset:
+def load_idx_dataset(name: str, directory: str = "", train_limit: int = 0, test_limit: int = 0) -> Dataset:
     default, where = _SOURCES[name]
     d = Path(directory or default)
     expected = ", ".join(f"{f}[.gz]" for f in _IDX_FILES)
@@ -135,7 +176,8 @@ def load_idx_dataset(name: str, directory: str = "") -> Dataset:
     missing = [f for f, p in zip(_IDX_FILES, paths) if p is None]
     if missing:
         raise DataError(f"{name}: {d} lacks {', '.join(missing)}[.gz] (get them: {where})")
-    xtr, ytr, xte, yte = (read_idx(p) for p in paths)
+    lims = (train_limit, train_limit, test_limit, test_limit)
+    xtr, ytr, xte, yte = (read_idx(p, n) for p, n in zip(paths, lims))
     for x, y, px, py in ((xtr, ytr, paths[0], paths[1]), (xte, yte, paths[2], paths[3])):
         if x.ndim != 3 or y.ndim != 1 or x.dtype != np.uint8 or y.dtype != np.uint8:
             raise DataError(f"{name}: {px.name}/{py.name} are not uint8 images [N,H,W] and labels [N]")
@@ -481,24 +523,27 @@ def load_folder(directory: str, image_size: int = 0, test_frac: float = 0.1, see
     return Dataset("folder", xtr, ytr, xte, yte, len(classes), *st.result())
 
 
-LOADERS = {"fashion-mnist": lambda c, seed: load_idx_dataset("fashion-mnist", c.dir),
-           "mnist": lambda c, seed: load_idx_dataset("mnist", c.dir),
-           "cifar10": lambda c, seed: load_cifar("cifar10", c.dir),
-           "cifar100": lambda c, seed: load_cifar("cifar100", c.dir),
-           "svhn": lambda c, seed: load_svhn(c.dir, c.svhn_extra),
-           "folder": lambda c, seed: load_folder(c.dir, c.image_size, c.test_frac, seed)}
+# Each loader: (data config, seed, (train_limit, test_limit)). The IDX readers stop at the
+# limits; the others read everything and load_dataset cuts.
+LOADERS = {"fashion-mnist": lambda c, seed, lim: load_idx_dataset("fashion-mnist", c.dir, *lim),
+           "mnist": lambda c, seed, lim: load_idx_dataset("mnist", c.dir, *lim),
+           "cifar10": lambda c, seed, lim: load_cifar("cifar10", c.dir),
+           "cifar100": lambda c, seed, lim: load_cifar("cifar100", c.dir),
+           "svhn": lambda c, seed, lim: load_svhn(c.dir, c.svhn_extra),
+           "folder": lambda c, seed, lim: load_folder(c.dir, c.image_size, c.test_frac, seed)}
 
 
 def load_dataset(name: str, directory: str = "", train_limit: int = 0, test_limit: int = 0, *,
                  cfg=None, seed: int = 0) -> Dataset:
     """``cfg`` (a DataConfig) supplies the dataset-specific keys; name/directory otherwise.
-    ``seed`` (the run's train.seed) fixes any split the loader makes itself (folder)."""
+    ``seed`` (the run's train.seed) fixes any split the loader makes itself (folder).
+    The limits keep the first examples of each split."""
     if name not in LOADERS:
         raise DataError(f"data.name: unknown dataset {name!r} (known: {', '.join(LOADERS)})")
     if cfg is None:
         from types import SimpleNamespace
         cfg = SimpleNamespace(dir=directory, svhn_extra=False, image_size=0, test_frac=0.1)
-    ds = LOADERS[name](cfg, seed)
+    ds = LOADERS[name](cfg, seed, (train_limit, test_limit))
     if train_limit:
         ds.train_x, ds.train_y = ds.train_x[:train_limit], ds.train_y[:train_limit]
     if test_limit:

@@ -64,6 +64,44 @@ def test_truncated_and_corrupt_files(tmp_path):
         read_idx(g)
 
 
+def test_a_limited_read_decodes_only_the_prefix_and_still_checks_the_whole_file(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (40, 28, 28)).astype(np.uint8)
+    raw = struct.pack(">BBBB", 0, 0, 0x08, 3) + struct.pack(">3I", 40, 28, 28) + x.tobytes()
+    g, plain, multi = tmp_path / "x.gz", tmp_path / "x", tmp_path / "multi.gz"
+    g.write_bytes(gzip.compress(raw))
+    plain.write_bytes(raw)
+    # two gzip members: the trailer's size is the last member's, so the whole file is read
+    multi.write_bytes(gzip.compress(raw[:1000]) + gzip.compress(raw[1000:]))
+    for f in (g, plain, multi):
+        for n in (1, 7, 40, 100):
+            got = read_idx(f, n)
+            assert got.shape == (min(n, 40), 28, 28) and np.array_equal(got, x[:n]), (f.name, n)
+    assert np.array_equal(read_idx(g), x)
+    # a file cut short is refused, with or without a limit
+    g.write_bytes(gzip.compress(raw)[:-40])
+    for n in (0, 5):
+        with pytest.raises(DataError, match="cannot read"):
+            read_idx(g, n)
+    plain.write_bytes(raw[:-100])
+    for n in (0, 5):
+        with pytest.raises(DataError, match="truncated or corrupt IDX"):
+            read_idx(plain, n)
+    # a gzip member whose size field disagrees with the IDX header: read whole, then refused
+    g.write_bytes(gzip.compress(raw[:-100]))
+    with pytest.raises(DataError, match="truncated or corrupt IDX"):
+        read_idx(g, 5)
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").is_dir(),
+                    reason="dataset-fashion-mnist not installed")
+def test_limits_on_fashion_mnist_give_the_first_examples_of_the_whole_read():
+    whole = load_dataset("fashion-mnist")
+    lim = load_dataset("fashion-mnist", train_limit=2560, test_limit=500)
+    assert torch.equal(lim.train_x, whole.train_x[:2560]) and torch.equal(lim.train_y, whole.train_y[:2560])
+    assert torch.equal(lim.test_x, whole.test_x[:500]) and torch.equal(lim.test_y, whole.test_y[:500])
+
+
 def test_count_mismatch_and_bad_labels(tmp_path):
     make_mnist_dir(tmp_path / "m")
     write_idx(tmp_path / "m/train-labels-idx1-ubyte.gz", np.zeros(49), gz=True)
