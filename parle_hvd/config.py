@@ -51,7 +51,7 @@ class DataConfig:
                     "data.frac of it starting at i/n (PARLE.md)", ["full", "frac"])
     frac: float = _f(1.0, "fraction of the training data each replica sees when split=frac, in (0, 1]")
     train_limit: int = _f(0, "use only the first N training examples (0 = all; an IDX file is read only that far)")
-    test_limit: int = _f(0, "use only the first N test examples (0 = all)")
+    test_limit: int = _f(0, "use only the first N test examples (0 = all; an IDX file is read only that far)")
     augment: str = _f("off", "training augmentation: off; crop (true): random 4-pixel pad-and-crop and horizontal "
                       "flip of each batch; imagenet: RandomResizedCrop + flip at decode, resize + center crop "
                       "for evaluation (streamed)", ["off", "crop", "imagenet", "on", "true", "false", "none"])

@@ -84,7 +84,14 @@ def read_idx(path: Path, limit: int = 0) -> np.ndarray:
     gzipped file is decompressed only that far (a run with ``data.train_limit=2560`` reads
     2 MB of Fashion-MNIST's 47, 0.3 s less per rank). The file's length is still checked
     against its header, by the gzip trailer's size field; a file whose trailer disagrees is
-    read whole, which names the fault. The CRC of the part skipped is not checked."""
+    read whole, which names the fault. No CRC is checked on such a limited read (gzip's CRC
+    covers the whole stream): a flipped bit that still decodes goes unnoticed, as in an
+    uncompressed file."""
+    return _read_idx(path, limit)[0]
+
+
+def _read_idx(path: Path, limit: int = 0) -> tuple:
+    """``read_idx``, and the number of items the whole file holds (its header's first dim)."""
     try:
         raw = path.read_bytes()
         PROGRESS[0] += 1
@@ -104,7 +111,7 @@ def read_idx(path: Path, limit: int = 0) -> np.ndarray:
         raise DataError(f"{path}: truncated or corrupt IDX file (expected {need} data bytes "
                         f"for shape {dims}, found {len(body)})")
     arr = np.frombuffer(body, dtype=dt).reshape(dims)
-    return arr[:limit] if limit > 0 else arr
+    return (arr[:limit] if limit > 0 else arr), dims[0]
 
 
 def _idx_header(raw: bytes, path: Path):
@@ -117,10 +124,10 @@ def _idx_header(raw: bytes, path: Path):
     return dims, np.dtype(_IDX_TYPES[raw[2]]), 4 + 4 * ndim
 
 
-def _idx_prefix(gz: bytes, limit: int) -> Optional[np.ndarray]:
-    """The first ``limit`` items of a gzipped IDX file, decompressing only that far; None
-    where the header or the trailer's size (ISIZE: the uncompressed length mod 2**32) says
-    the file is not whole, for the full read to report."""
+def _idx_prefix(gz: bytes, limit: int) -> Optional[tuple]:
+    """The first ``limit`` items of a gzipped IDX file and its item count, decompressing only
+    that far; None where the header or the trailer's size (ISIZE: the uncompressed length
+    mod 2**32) says the file is not whole, for the full read to report."""
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     head = d.decompress(gz, 4)
     if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _IDX_TYPES or head[3] == 0:
@@ -138,7 +145,7 @@ def _idx_prefix(gz: bytes, limit: int) -> Optional[np.ndarray]:
     body = d.decompress(d.unconsumed_tail, want)
     if len(body) != want:
         return None
-    return np.frombuffer(body, dtype=dt).reshape((n, *dims[1:]))
+    return np.frombuffer(body, dtype=dt).reshape((n, *dims[1:])), dims[0]
 
 
 def _find(d: Path, stem: str) -> Optional[Path]:
@@ -176,13 +183,15 @@ def load_idx_dataset(name: str, directory: str = "", train_limit: int = 0, test_
     missing = [f for f, p in zip(_IDX_FILES, paths) if p is None]
     if missing:
         raise DataError(f"{name}: {d} lacks {', '.join(missing)}[.gz] (get them: {where})")
+    # with limits only the examples kept are decoded (and their labels checked); the
+    # images and labels files must still hold the same count, from their headers
     lims = (train_limit, train_limit, test_limit, test_limit)
-    xtr, ytr, xte, yte = (read_idx(p, n) for p, n in zip(paths, lims))
-    for x, y, px, py in ((xtr, ytr, paths[0], paths[1]), (xte, yte, paths[2], paths[3])):
+    (xtr, ntr), (ytr, mtr), (xte, nte), (yte, mte) = (_read_idx(p, n) for p, n in zip(paths, lims))
+    for x, y, n, m, px, py in ((xtr, ytr, ntr, mtr, paths[0], paths[1]), (xte, yte, nte, mte, paths[2], paths[3])):
         if x.ndim != 3 or y.ndim != 1 or x.dtype != np.uint8 or y.dtype != np.uint8:
             raise DataError(f"{name}: {px.name}/{py.name} are not uint8 images [N,H,W] and labels [N]")
-        if len(x) != len(y):
-            raise DataError(f"{name}: {px.name} has {len(x)} images but {py.name} {len(y)} labels")
+        if n != m:
+            raise DataError(f"{name}: {px.name} has {n} images but {py.name} {m} labels")
         if len(y) and int(y.max()) > 9:
             raise DataError(f"{name}: {py.name} holds label {int(y.max())} (> 9): corrupt file")
     t = lambda a: torch.from_numpy(a.copy())

@@ -91,6 +91,10 @@ def test_a_limited_read_decodes_only_the_prefix_and_still_checks_the_whole_file(
     g.write_bytes(gzip.compress(raw[:-100]))
     with pytest.raises(DataError, match="truncated or corrupt IDX"):
         read_idx(g, 5)
+    # a deflate stream garbled inside the kept part is refused, never returned as data
+    g.write_bytes(gzip.compress(raw)[:200] + bytes(range(256)) * 8 + gzip.compress(raw)[200 + 2048:])
+    with pytest.raises(DataError, match="cannot read"):
+        read_idx(g, 40)
 
 
 @pytest.mark.skipif(not __import__("pathlib").Path("/usr/share/datasets/fashion-mnist").is_dir(),
@@ -105,8 +109,9 @@ def test_limits_on_fashion_mnist_give_the_first_examples_of_the_whole_read():
 def test_count_mismatch_and_bad_labels(tmp_path):
     make_mnist_dir(tmp_path / "m")
     write_idx(tmp_path / "m/train-labels-idx1-ubyte.gz", np.zeros(49), gz=True)
-    with pytest.raises(DataError, match="50 images but"):
-        load_dataset("mnist", str(tmp_path / "m"))
+    for lim in (0, 10):           # a limited read compares the files' counts from their headers
+        with pytest.raises(DataError, match="50 images but train-labels-idx1-ubyte.gz 49 labels"):
+            load_dataset("mnist", str(tmp_path / "m"), train_limit=lim)
     write_idx(tmp_path / "m/train-labels-idx1-ubyte.gz", np.full(50, 12), gz=True)
     with pytest.raises(DataError, match="label 12"):
         load_dataset("mnist", str(tmp_path / "m"))
