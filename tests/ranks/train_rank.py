@@ -2,10 +2,11 @@
 space-separated) to prove that rank 0's values win, or a file-size limit
 (PARLE_TEST_RANK1_FSIZE, bytes) to make its checkpoint writes fail.
 
-Each rank writes ``$PARLE_TEST_OUT/rank<r>.exit``, its exit status, once every exit handler
-has run (Horovod's shutdown, the DataLoader workers' and multiprocessing's), just before
-``os._exit``: the rank's own account of how it ended (a rank the watchdog ends with
-``os._exit(4)`` writes none). horovodrun's "Process N exit with
+A rank whose ``main`` returns writes ``$PARLE_TEST_OUT/rank<r>.exit``, its exit status, once
+every exit handler has run (Horovod's shutdown, the DataLoader workers' and
+multiprocessing's), just before ``os._exit``: the rank's own account of how it ended. A rank
+that ends any other way (the watchdog's ``os._exit(4)``, an uncaught exception, a SIGKILL)
+writes none. horovodrun's "Process N exit with
 status code" line is not: its middleman SIGSTOPs and SIGTERMs the ``sh -c`` around a rank
 it terminates, and that shell sometimes reports 0 for a rank that called ``os._exit(143)``
 (seen 1 run in 5-7 with two busy cores beside the job)."""
