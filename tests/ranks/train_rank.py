@@ -6,9 +6,9 @@ A rank whose ``main`` returns writes ``$PARLE_TEST_OUT/rank<r>.exit``, its exit 
 every exit handler has run (Horovod's shutdown, the DataLoader workers' and
 multiprocessing's), just before ``os._exit``: the rank's own account of how it ended. A rank
 that ends any other way (the watchdog's ``os._exit(4)``, an uncaught exception, a SIGKILL)
-writes none. horovodrun's "Process N exit with
-status code" line is not: its middleman SIGSTOPs and SIGTERMs the ``sh -c`` around a rank
-it terminates, and that shell sometimes reports 0 for a rank that called ``os._exit(143)``
+writes none. Tests read this record, not horovodrun's "Process N exit with status code"
+line: horovodrun's middleman SIGSTOPs and SIGTERMs the ``sh -c`` around a rank it
+terminates, and that shell sometimes reports 0 for a rank that called ``os._exit(143)``
 (seen 1 run in 5-7 with two busy cores beside the job)."""
 import atexit
 import os
