@@ -81,6 +81,13 @@ def _inject_slow_load(rank: int) -> None:
         PROGRESS[0] += 1
 
 
+def _kept(step, run_dir) -> str:
+    """The end of a stop's message: which checkpoint a resume would start from."""
+    if step is None:
+        return "No complete checkpoint was written yet (a resume would start from the beginning)."
+    return f"The last complete checkpoint (step {step}) is kept in {run_dir}/checkpoints"
+
+
 class DivergenceError(RuntimeError):
     """Non-finite loss or weights; one line, exit 3, the last complete checkpoint kept."""
 
@@ -481,7 +488,7 @@ class Trainer:
             last = checkpoint.latest_complete(self.run_dir, self.world)
             self.log.flush()
             raise DivergenceError(f"non-finite loss or weights on rank(s) {bad} at outer step {r.step}; stopped. "
-                                  f"The last complete checkpoint (step {last}) is kept in {self.run_dir}/checkpoints")
+                                  f"{_kept(last, self.run_dir)}")
         failed = [i for i in range(len(rows)) if rows[i, COL["ckpt"]] > 0]
         if failed:
             # the rank that failed raises its own message (printed by that rank); the others a
@@ -491,8 +498,7 @@ class Trainer:
                 raise CheckpointError(self.ckpt_error)
             done = checkpoint.latest_complete(self.run_dir, self.world)
             raise RunError(f"run.dir: rank(s) {failed} could not write their checkpoint (their message above); "
-                           f"stopped after outer step {r.step}. The last complete checkpoint (step {done}) is kept "
-                           f"in {self.run_dir}/checkpoints")
+                           f"stopped after outer step {r.step}. {_kept(done, self.run_dir)}")
         self.stop_ranks.update(i for i in range(len(rows)) if rows[i, COL["stop"]] > 0)
 
     def _progress_text(self, k: int) -> str:

@@ -217,6 +217,7 @@ def test_launch_script_ends_with_the_failing_ranks_line_and_its_exit_code(tmp_pa
     lines = [l for l in out.splitlines() if l.strip()]
     assert rc == 3, out
     assert "error: non-finite loss or weights on rank(s) [1] at outer step 2" in lines[-1], out
+    assert lines[-1].endswith("No complete checkpoint was written yet (a resume would start from the beginning)."), out
     assert "Traceback" not in out and "Traceback" in log.read_text()
 
 
