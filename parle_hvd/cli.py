@@ -21,9 +21,24 @@ Launch:
 def _let_rank0_speak(seconds: float = 3.0) -> None:
     """A rank other than 0 that fails with the error every rank has (a bad config, say)
     leaves printing it to rank 0; it waits a moment before exiting, or the launcher, which
-    ends the job at the first non-zero exit, could kill rank 0 before its line is out."""
+    ends the job at the first non-zero exit, could kill rank 0 before its line is out.
+
+    A SIGTERM ends the wait at once: the launcher sends it when a rank has exited (rank 0,
+    its line out), and a job being stopped has nothing to wait for. (The run's own SIGTERM
+    handler, which train.py keeps, would only note a stop request and sleep on.)"""
     import time
-    time.sleep(seconds)
+    ended = []
+    try:
+        before = signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
+    except ValueError:            # not the main thread: a plain wait
+        before = None
+    end = time.monotonic() + seconds
+    try:
+        while not ended and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def exit_now(rc) -> None:

@@ -243,6 +243,31 @@ def test_sigterm_on_one_rank_stops_all_with_checkpoint_and_exit_0(tmp_path):
     assert "resumed from checkpoint step" in out[0]["_output"]
 
 
+def test_a_failed_rank_waiting_for_rank_0_to_speak_ends_at_the_launchers_sigterm():
+    """A rank other than 0 that failed waits up to 3 s so that rank 0's line gets out; the
+    launcher's SIGTERM (sent once rank 0 has exited) ends that wait at once, even with the
+    run's own SIGTERM handler (a stop request) still installed, and gives that handler back."""
+    code = ("import signal, sys, time\n"
+            "from parle_hvd.cli import _let_rank0_speak\n"
+            "mine = lambda s, f: None\n"
+            "signal.signal(signal.SIGTERM, mine)\n"
+            "print('waiting', flush=True)\n"
+            "t0 = time.monotonic()\n"
+            "_let_rank0_speak(30.0)\n"
+            "print(f'waited {time.monotonic() - t0:.2f}', signal.getsignal(signal.SIGTERM) is mine, flush=True)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=10)
+    finally:
+        p.kill()
+    waited, restored = p.stdout.read().split()[1:]
+    assert rc == 0 and 0.2 < float(waited) < 2 and restored == "True", (rc, waited, restored)
+
+
 def test_second_sigint_exits_at_once(tmp_path):
     # long outer steps (L = 400) so that only the second SIGINT can explain a quick exit
     p = subprocess.Popen([sys.executable, "train.py", *CFG, "dist.backend=none", "parle.sync_period=400",
