@@ -197,14 +197,18 @@ def run_ranks(script: str | Path, *, controller: str = DEFAULT, np: int = 2, arg
     return results
 
 
-def run_sweep(runs, **kw) -> list[dict]:
+def run_sweep(runs, *, run_env=None, **kw) -> list[dict]:
     """Several train.py command lines (each a list starting with ``--config``) as one job:
     tests/ranks/sweep_rank.py runs them one after the other in the same ranks, each in its
     own run directory with its own counts; one start of the ranks instead of one per run.
+    ``run_env``: one dict (or None) per run, that run's own environment variables.
     ``kw`` as for ``run_ranks`` (no rank reports)."""
+    run_env = run_env or [None] * len(runs)
+    assert len(run_env) == len(runs), (len(run_env), len(runs))
     args = []
-    for argv in runs:
-        args += [*(["--"] if args else []), *map(str, argv)]
+    for argv, env in zip(runs, run_env):
+        own = [t for k, v in (env or {}).items() for t in ("--env", f"{k}={v}")]
+        args += [*(["--"] if args else []), *own, *map(str, argv)]
     return run_ranks(ROOT / "tests/ranks/sweep_rank.py", args=args, reports=False, **kw)
 
 

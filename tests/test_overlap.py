@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks
+from multirank import ROOT, RankJob, kill9_after_first_checkpoint, run_ranks, run_sweep
 from parle_hvd import checkpoint
 from parle_hvd.config import ParleConfig
 
@@ -38,14 +38,15 @@ def _pull_by_hand(x, z, xbar, v, *, rk, lr):
 
 
 def test_overlapped_update_is_parle_md_in_float64_and_identical_to_blocking(tmp_path):
-    runs = {}
-    for overlap in (False, True):
-        run, dump = tmp_path / f"run-{overlap}", tmp_path / f"dump-{overlap}"
+    # the blocking and the overlapped run in one start of the ranks (tests/ranks/sweep_rank.py),
+    # each dumping its outer steps to its own folder
+    dirs = {o: (tmp_path / f"run-{o}", tmp_path / f"dump-{o}") for o in (False, True)}
+    for _, dump in dirs.values():
         dump.mkdir()
-        run_ranks(TRAIN, args=[*CFG, *SMALL, "model.dtype=float64", "train.epochs=1", "eval.every=1",
-                               "run.ckpt_every=0", f"parle.overlap={str(overlap).lower()}", f"run.dir={run}"],
-                  timeout=240, reports=False, env={"PARLE_HVD_DUMP_OUTER": str(dump)})
-        runs[overlap] = (json.loads((run / "summary.json").read_text()), dump, run)
+    run_sweep([[*CFG, *SMALL, "model.dtype=float64", "train.epochs=1", "eval.every=1", "run.ckpt_every=0",
+                f"parle.overlap={str(o).lower()}", f"run.dir={run}"] for o, (run, _) in dirs.items()],
+              run_env=[{"PARLE_HVD_DUMP_OUTER": str(dump)} for _, dump in dirs.values()], timeout=240)
+    runs = {o: (json.loads((run / "summary.json").read_text()), dump, run) for o, (run, dump) in dirs.items()}
     s, dump, run = runs[True]
     K = s["outer_steps"]
     assert s["overlap"] is True and runs[False][0]["overlap"] is False
@@ -133,11 +134,10 @@ def test_stop_divergence_and_checkpoint_failure_with_overlap(tmp_path):
     after step 3 with its message. The progress line never shows a NaN loss."""
     common = [*CFG, *SMALL, "train.epochs=3", "eval.every=1", "run.log_every=1", "run.ckpt_every=3",
               "parle.overlap=true"]
-    ref = tmp_path / "ref"
-    run_ranks(TRAIN, args=[*common, f"run.dir={ref}"], timeout=240, reports=False)
-    d = tmp_path / "stop"
-    out = run_ranks(TRAIN, args=[*common, f"run.dir={d}"], env={"PARLE_HVD_INJECT_STOP": "1:4"}, timeout=240,
-                    reports=False)
+    ref, d = tmp_path / "ref", tmp_path / "stop"
+    # the uninterrupted run and the stopped one in one start of the ranks (tests/ranks/sweep_rank.py)
+    out = run_sweep([[*common, f"run.dir={ref}"], [*common, f"run.dir={d}"]],
+                    run_env=[None, {"PARLE_HVD_INJECT_STOP": "1:4"}], timeout=240)
     o = out[0]["_output"]
     assert "stopped after outer step 5 on a signal to rank(s) [1]" in o, o
     assert "step 1: loss - val -" in o and not re.search(r"step \d+: loss nan", o), o

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from multirank import ROOT, RankJob, kill_tree, rank_process, run_ranks
+from multirank import ROOT, RankJob, kill_tree, rank_process, run_ranks, run_sweep
 from parle_hvd import checkpoint
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -73,7 +73,6 @@ def _same_as(ref, d, what):
 def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path, uninterrupted):
     common = COMMON
     ref = uninterrupted
-    want = _final(ref)
     K = json.loads((ref / "summary.json").read_text())["outer_steps"]
 
     def tmp_file_present(d):
@@ -88,6 +87,7 @@ def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path, uni
         "late in the run": (lambda d: _metrics_lines(d) >= 0.7 * K, {}, None),
         "rank 1 only, mid-run": (lambda d: _metrics_lines(d) >= 0.4 * K, {}, 1),
     }
+    done = {}
     for i, (name, (cond, env, only_rank)) in enumerate(moments.items()):
         d = tmp_path / f"kill{i}"
         job = RankJob([TRAIN, *common, f"run.dir={d}"], env=env)
@@ -99,13 +99,16 @@ def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path, uni
             job.wait(60)
             kill_tree(job.proc.pid)
         assert not (d / "summary.json").exists(), name
-        done = checkpoint.latest_complete(d, 2)
-        assert done is not None and done < K, name
-        out = run_ranks(TRAIN, args=[*common, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
-        assert "resumed from checkpoint step" in out[0]["_output"], name
-        got = _final(d)
-        for k in want:
-            assert torch.equal(got[k], want[k]), (name, k)
+        done[name] = checkpoint.latest_complete(d, 2)
+        assert done[name] is not None and done[name] < K, name
+    # the four resumes one after the other in one start of the ranks (tests/ranks/sweep_rank.py)
+    out = run_sweep([[*common, f"run.dir={tmp_path / f'kill{i}'}", "run.resume=true"] for i in range(len(moments))],
+                    timeout=300)
+    assert out[0]["_output"].count("resumed from checkpoint step") >= len(moments), out[0]["_output"]
+    for i, name in enumerate(moments):
+        d = tmp_path / f"kill{i}"
+        assert json.loads((d / "summary.json").read_text())["resumed_from"] == done[name], name
+        _same_as(ref, d, name)
 
 
 @pytest.mark.multirank
@@ -123,12 +126,13 @@ def test_stop_at_an_evaluation_step_and_at_the_last_step_then_resume_matches_uni
     assert "stopped after outer step 8" in out[0]["_output"] and not (d / "summary.json").exists()
     assert checkpoint.latest_complete(d, 2) == 8
     assert sum("val/accuracy" in l for l in (d / "metrics.jsonl").read_text().splitlines()) == 1
-    run_ranks(TRAIN, args=[*COMMON, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
+    # its resume and the stop at K in one start of the ranks (tests/ranks/sweep_rank.py)
+    last = tmp_path / "last_step"
+    run_sweep([[*COMMON, f"run.dir={d}", "run.resume=true"], [*COMMON, f"run.dir={last}"]],
+              run_env=[None, {"PARLE_HVD_INJECT_STOP": "0:24"}], timeout=240)
     _same_as(uninterrupted, d, "a stop at an evaluation step")
 
-    d = tmp_path / "last_step"
-    run_ranks(TRAIN, args=[*COMMON, f"run.dir={d}"], env={"PARLE_HVD_INJECT_STOP": "0:24"}, timeout=240,
-              reports=False)
+    d = last
     _same_as(uninterrupted, d, "a stop at K")
     (d / "summary.json").unlink()
     (d / "final.pt").unlink()          # as if killed after the last checkpoint, before the results
