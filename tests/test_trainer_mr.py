@@ -103,10 +103,11 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("controller", [pytest.param("gloo", marks=HVD), "torchrun"])
+@pytest.mark.parametrize("controller", ["torchrun"])
 def test_exact_resume_after_kill(tmp_path, uninterrupted, controller):
     """Uninterrupted run vs a run killed (SIGKILL, whole tree) right after its first
-    complete checkpoint and resumed: identical final.pt tensors."""
+    complete checkpoint and resumed: identical final.pt tensors. (The same under
+    horovodrun --gloo is the first of test_robustness.py's four kill -9 moments.)"""
     common = RESUME
     a = uninterrupted(controller)
     b = tmp_path / "b"
