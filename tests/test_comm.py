@@ -90,7 +90,8 @@ def _leftovers(marker: str, job=None):
 
 
 HANG_CONTROLLERS = ("gloo", "mpi", "torchrun") if horovod_installed() else ("torchrun",)   # mpi-torch's = torchrun's
-HANG_TIMEOUT = 20     # the three start together: ready after 5-9 s here (alone: 2-3 s)
+HANG_GRACE = 2        # the harness's timeout: this long after both ranks are in place (the three
+                      # jobs start together: in place after 5-9 s here, alone after 2-3 s)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,11 @@ def test_dead_or_silent_rank_fails_within_timeout_and_leaves_nothing(request, co
     if mode == "kill":
         job, timeout = RankJob([ROOT / "tests/ranks/die.py", "kill"], controller=controller, np=2), 10
     else:
-        job, timeout = request.getfixturevalue("hang_jobs")[controller], HANG_TIMEOUT
+        job = request.getfixturevalue("hang_jobs")[controller]
+        while not ("rank 1 about to hang" in job.output and "rank 0 entering allreduce" in job.output):
+            assert job.proc.poll() is None and time.monotonic() - job.t0 < 120, job.output
+            time.sleep(0.1)
+        timeout = time.monotonic() - job.t0 + HANG_GRACE
     with pytest.raises(MultiRankError) as ei:
         rc = job.wait(timeout)                  # raises at the timeout, having killed the whole tree
         raise MultiRankError(f"{controller} job exited {rc}; output of every rank:\n{job.output}")
