@@ -81,11 +81,13 @@ def _inject_slow_load(rank: int) -> None:
         PROGRESS[0] += 1
 
 
-def _kept(step, run_dir) -> str:
-    """The end of a stop's message: which checkpoint a resume would start from."""
+def _kept(step, run_dir=None, *, start: str = "The") -> str:
+    """The end of a stop's message: the checkpoint a resume would start from (and where, given
+    ``run_dir``), or that there is none (``run.resume=true`` would be refused: run again
+    without it)."""
     if step is None:
-        return "No complete checkpoint was written yet (a resume would start from the beginning)."
-    return f"The last complete checkpoint (step {step}) is kept in {run_dir}/checkpoints"
+        return f"{'N' if start == 'The' else 'n'}o complete checkpoint was written yet: nothing to resume from"
+    return f"{start} last complete checkpoint (step {step}) is kept" + (f" in {run_dir}/checkpoints" if run_dir else "")
 
 
 class DivergenceError(RuntimeError):
@@ -389,8 +391,8 @@ class Trainer:
         except OSError as e:
             done = checkpoint.latest_complete(self.run_dir, self.world)
             self.ckpt_error = (f"run.dir: rank {self.rank} cannot write checkpoint step {k} in "
-                               f"{self.run_dir}/checkpoints ({e.strerror or e}); the last complete "
-                               f"checkpoint (step {done}) is kept")
+                               f"{self.run_dir}/checkpoints ({e.strerror or e}); "
+                               f"{_kept(done, start='the')}")
             if last:
                 raise CheckpointError(self.ckpt_error) from None
 
