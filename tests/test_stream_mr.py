@@ -71,7 +71,7 @@ def test_streamed_resume_after_kill9_mid_pass_is_bit_identical(tmp_path, request
     a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
     if algo == "parle":     # with the same folder held in memory (below), in one start of the ranks
         run_sweep([args(data, algo, a, *extra), args(data, algo, m, "data.stream=false")], controller=controller,
-                  timeout=300)
+                  timeout=500)
     else:
         run_ranks(TRAIN, controller=controller, args=args(data, algo, a, *extra), timeout=300, reports=False)
     job = RankJob([TRAIN, *args(data, algo, b, *extra)], controller=controller)

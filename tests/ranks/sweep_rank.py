@@ -4,9 +4,13 @@ config is made as train.py makes it, then ``parle_hvd.trainer.train``; the world
 (by the first run) and left once, at the end. Each run writes its own run directory, and its
 summary counts its own collectives only. A run that fails ends the job (exit 1), naming it.
 
-A run's arguments may start with ``--env KEY=VALUE`` pairs: that run's own environment
-(``PARLE_HVD_INJECT_STOP=1:8``, say), set before it starts and removed after it ends, as if
-it had been launched alone with them."""
+A run's arguments may start with ``--env KEY=VALUE`` pairs: that run's own environment, set
+before it starts and put back after it ends. Only what the trainer reads while a run goes on
+takes effect this way: the testing hooks ``PARLE_HVD_INJECT_*``, ``PARLE_HVD_DUMP_*``,
+``PARLE_HVD_FAKE_STEP_SECONDS``, ``PARLE_HVD_CKPT_DELAY``. Not the engine or the launcher's
+variables (the world is joined once, by the first run), not what only train_rank.py reads
+(``PARLE_TEST_RANK1_*``), and not inside DataLoader workers started from a fork server
+(which keep the server's environment)."""
 import os
 import sys
 
@@ -27,11 +31,18 @@ def runs(argv: list) -> list:
     return out + [cur]
 
 
+HOOKS = ("PARLE_HVD_INJECT_", "PARLE_HVD_DUMP_", "PARLE_HVD_FAKE_STEP_SECONDS", "PARLE_HVD_CKPT_DELAY")
+
+
 def own_env(argv: list) -> tuple:
-    """(the ``--env KEY=VALUE`` pairs at the start of argv as a dict, the rest)."""
+    """(the ``--env KEY=VALUE`` pairs at the start of argv as a dict, the rest); a key that
+    would not take effect in a sweep is refused."""
     env = {}
     while argv and argv[0] == "--env":
         key, _, value = argv[1].partition("=")
+        if not key.startswith(HOOKS):
+            raise SystemExit(f"sweep_rank.py: --env {key}: only the trainer's testing hooks {HOOKS} take effect "
+                             "per run; launch such a run on its own")
         env[key] = value
         argv = argv[2:]
     return env, argv
