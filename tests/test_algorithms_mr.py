@@ -1,7 +1,7 @@
 """Every algorithm on 2 ranks, under both engines (horovodrun --gloo: Horovod; torchrun:
 torch.distributed): runs to completion, writes the same outputs, and communicates exactly
-what it should: how many collectives per outer step and what they carry (the seven runs of
-an engine as one job, one run after the other: each summary counts its own). Plus
+what it should: how many collectives per outer step and what they carry (every run of an
+engine in this module as one job, one run after the other: each summary counts its own). Plus
 data-parallel SGD and Parle in float64 against hand-written loops, under both engines,
 and Parle's float64 run bit-identical between them."""
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multirank import ENGINE_OF, ROOT, run_ranks, run_sweep
+from multirank import DEFAULT, ENGINE_OF, ROOT, run_ranks, run_sweep
 from parle_hvd.data import ReplicaSampler, load_dataset, replica_indices, to_input
 from parle_hvd.models import build_model, sync_tensors
 from parle_hvd.exchange import SLOT
@@ -40,20 +40,28 @@ ALGOS = ["parle", "sgd", "dpsgd", "elastic", "entropy", "localsgd", "diloco"]
 
 @pytest.fixture(scope="module")
 def every_algorithm(tmp_path_factory):
-    """Every algorithm's 2-rank run, once per engine, as one job that runs them one after the
-    other (tests/ranks/sweep_rank.py: the world joined once, each run's own counts):
-    runs(controller) -> {algo: run dir}. One job instead of seven saves six starts of two
-    ranks (~3.5 s each: torch, Dynamo and the launcher)."""
+    """Every 2-rank run of this module under one engine, as one job that runs them one after
+    the other (tests/ranks/sweep_rank.py: the world joined once, each run's own counts): the
+    seven algorithms, the float64 dpsgd and Parle runs the hand-written loops check, and under
+    the default launcher the split-data run. runs(controller) -> {algo or "dpsgd64", "parle64",
+    "split": run dir}. One job instead of ten saves nine starts of two ranks (~3.5 s each:
+    torch, Dynamo and the launcher)."""
     done = {}
 
     def runs(controller):
         if controller not in done:
             d = tmp_path_factory.mktemp(f"algos-{controller}")
+            argv = {a: ["--config", "configs/fashion_parle.yaml", f"algo={a}", *COMMON, f"run.dir={d / a}"]
+                    for a in ALGOS}
+            argv["dpsgd64"] = _dpsgd64_args(d / "dpsgd64")
+            argv["parle64"] = _parle64_args(d / "parle64")
+            if controller == DEFAULT:
+                argv["split"] = ["--config", "configs/fashion_parle.yaml", *COMMON, "data.split=frac",
+                                 "data.frac=0.3", f"run.dir={d / 'split'}"]
             try:
-                run_sweep([["--config", "configs/fashion_parle.yaml", f"algo={a}", *COMMON, f"run.dir={d / a}"]
-                           for a in ALGOS], controller=controller, timeout=400)
-                done[controller] = {a: d / a for a in ALGOS}
-            except Exception as e:        # failed once: the other six tests report it, not run it again
+                run_sweep(list(argv.values()), controller=controller, timeout=900)
+                done[controller] = {name: d / name for name in argv}
+            except Exception as e:        # failed once: the other tests report it, not run it again
                 done[controller] = e
         if isinstance(done[controller], Exception):
             raise done[controller]
@@ -109,18 +117,24 @@ def test_every_algorithm_on_two_ranks_communicates_as_designed(every_algorithm, 
     assert lines[-1]["comm/allreduce_calls"] == s["allreduce_calls"]
 
 
+D64 = dict(n_train=512, bs=32, steps=6, lr=0.05, wd=1e-3, mu=0.9)
+
+
+def _dpsgd64_args(run):
+    n_train, bs, steps, lr, wd = (D64[k] for k in ("n_train", "bs", "steps", "lr", "wd"))
+    return ["--config", "configs/fashion_parle.yaml", "algo=dpsgd", "model.dtype=float64", "model.dropout=0.0",
+            f"data.train_limit={n_train}", "data.test_limit=200", f"train.batch_size={bs}", f"train.block={steps}",
+            f"train.epochs={steps / 8}", f"optim.lr={lr}", f"optim.weight_decay={wd}", "optim.schedule=constant",
+            "eval.bn_batches=0", f"run.dir={run}", "run.progress=lines"]
+
+
 @pytest.mark.parametrize("controller", ENGINES)
-def test_dpsgd_float64_matches_hand_loop_with_averaged_gradients(tmp_path, controller):
+def test_dpsgd_float64_matches_hand_loop_with_averaged_gradients(every_algorithm, controller):
     """2 ranks, float64: the averaged gradients (Horovod's DistributedOptimizer, or
     DistributedDataParallel under torch) + Nesterov SGD equal a single-process loop over
     both ranks' batches to 1e-10."""
-    run = tmp_path / "run"
-    n_train, bs, steps, lr, wd, mu = 512, 32, 6, 0.05, 1e-3, 0.9
-    run_ranks(TRAIN, controller=controller, args=["--config", "configs/fashion_parle.yaml", "algo=dpsgd", "model.dtype=float64",
-                           "model.dropout=0.0", f"data.train_limit={n_train}", "data.test_limit=200",
-                           f"train.batch_size={bs}", f"train.block={steps}", f"train.epochs={steps / 8}",
-                           f"optim.lr={lr}", f"optim.weight_decay={wd}", "optim.schedule=constant",
-                           "eval.bn_batches=0", f"run.dir={run}", "run.progress=lines"], timeout=240, reports=False)
+    run = every_algorithm(controller)["dpsgd64"]
+    n_train, bs, steps, lr, wd, mu = (D64[k] for k in ("n_train", "bs", "steps", "lr", "wd", "mu"))
     s = json.loads((run / "summary.json").read_text())
     assert s["inner_steps"] == steps
     got = torch.load(run / "final.pt")
@@ -151,12 +165,10 @@ def test_dpsgd_float64_matches_hand_loop_with_averaged_gradients(tmp_path, contr
     assert worst < 1e-10, worst
 
 
-def test_split_data_windows_same_step_count_on_every_rank(tmp_path):
+def test_split_data_windows_same_step_count_on_every_rank(every_algorithm):
     """data.split=frac: each replica a window of 30% of the data; both ranks run the same
     number of outer steps (else the collectives would hang) and the run completes."""
-    run = tmp_path / "run"
-    run_ranks(TRAIN, args=["--config", "configs/fashion_parle.yaml", *COMMON, "data.split=frac",
-                     "data.frac=0.3", f"run.dir={run}"], timeout=240, reports=False)
+    run = every_algorithm(DEFAULT)["split"]
     s = json.loads((run / "summary.json").read_text())
     nb = round(0.3 * N_TRAIN) // BS
     assert s["outer_steps"] == math.ceil(nb / L) and s["allreduce_calls"] == s["outer_steps"] + 1 + s["evaluations"]
@@ -167,28 +179,23 @@ P64 = dict(n_train=512, bs=32, L=4, K=6, lr=0.05, wd=1e-3, mu=0.9, alpha=0.75, g
            rmax=10.0, s_=0.5, ms=0.6, decay=0.5)
 
 
-@pytest.fixture(scope="module")
-def parle64(tmp_path_factory):
-    """The float64 2-rank Parle run of the next two tests, once per engine: run(controller) -> run dir."""
-    done = {}
+def _parle64_args(d):
+    p = P64
+    return ["--config", "configs/fashion_parle.yaml", "algo=parle", "model.dtype=float64", "model.dropout=0.0",
+            f"data.train_limit={p['n_train']}", "data.test_limit=200", f"train.batch_size={p['bs']}",
+            f"parle.sync_period={p['L']}", f"train.epochs={p['K'] * p['L'] / (p['n_train'] // p['bs'])}",
+            f"optim.lr={p['lr']}", f"optim.weight_decay={p['wd']}", f"optim.momentum={p['mu']}",
+            "optim.schedule=step", f"optim.milestones=[{p['ms']}]", f"optim.decay={p['decay']}",
+            f"parle.gamma0_inv={p['g0']}", f"parle.gamma_min_inv={p['gmax']}", f"parle.rho0_inv={p['r0']}",
+            f"parle.rho_min_inv={p['rmax']}", f"parle.scoping={p['s_']}", f"parle.alpha={p['alpha']}",
+            "parle.init=independent", "eval.bn_batches=0", "eval.every=100", "run.ckpt_every=2", "run.keep=100",
+            f"run.dir={d}", "run.progress=lines"]
 
-    def run(controller):
-        if controller not in done:
-            p = P64
-            d = tmp_path_factory.mktemp(f"parle64-{controller}") / "run"
-            run_ranks(TRAIN, controller=controller, timeout=240, reports=False, args=[
-                "--config", "configs/fashion_parle.yaml", "algo=parle", "model.dtype=float64", "model.dropout=0.0",
-                f"data.train_limit={p['n_train']}", "data.test_limit=200", f"train.batch_size={p['bs']}",
-                f"parle.sync_period={p['L']}", f"train.epochs={p['K'] * p['L'] / (p['n_train'] // p['bs'])}",
-                f"optim.lr={p['lr']}", f"optim.weight_decay={p['wd']}", f"optim.momentum={p['mu']}",
-                "optim.schedule=step", f"optim.milestones=[{p['ms']}]", f"optim.decay={p['decay']}",
-                f"parle.gamma0_inv={p['g0']}", f"parle.gamma_min_inv={p['gmax']}", f"parle.rho0_inv={p['r0']}",
-                f"parle.rho_min_inv={p['rmax']}", f"parle.scoping={p['s_']}", f"parle.alpha={p['alpha']}",
-                "parle.init=independent", "eval.bn_batches=0", "eval.every=100", "run.ckpt_every=2", "run.keep=100",
-                f"run.dir={d}", "run.progress=lines"])
-            done[controller] = d
-        return done[controller]
-    return run
+
+@pytest.fixture(scope="module")
+def parle64(every_algorithm):
+    """The float64 2-rank Parle run of the next two tests (in the engine's sweep): run(controller) -> run dir."""
+    return lambda controller: every_algorithm(controller)["parle64"]
 
 
 @pytest.mark.parametrize("controller", ENGINES)
