@@ -29,16 +29,16 @@ def _let_rank0_speak(seconds: float = 3.0) -> None:
     import time
     ended = []
     try:
-        before, ours = signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum)), True
+        before = signal.signal(signal.SIGTERM, lambda signum, frame: ended.append(signum))
     except ValueError:            # not the main thread: a plain wait
-        before, ours = None, False
+        time.sleep(seconds)
+        return
     end = time.monotonic() + seconds
     try:
         while not ended and (left := end - time.monotonic()) > 0:
             time.sleep(min(left, 0.05))
-    finally:
-        if ours:                  # (None: a handler set outside Python, which cannot be put back)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+    finally:                      # (None: a handler set outside Python, which cannot be put back)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def exit_now(rc) -> None:

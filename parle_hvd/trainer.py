@@ -81,13 +81,15 @@ def _inject_slow_load(rank: int) -> None:
         PROGRESS[0] += 1
 
 
-def _kept(step, run_dir=None, *, start: str = "The") -> str:
+def _kept(step, run_dir=None, *, sentence: bool = True) -> str:
     """The end of a stop's message: the checkpoint a resume would start from (and where, given
     ``run_dir``), or that there is none (``run.resume=true`` would be refused: run again
-    without it)."""
+    without it). ``sentence``: it starts a sentence (a capital letter)."""
     if step is None:
-        return f"{'N' if start == 'The' else 'n'}o complete checkpoint was written yet: nothing to resume from"
-    return f"{start} last complete checkpoint (step {step}) is kept" + (f" in {run_dir}/checkpoints" if run_dir else "")
+        text = "no complete checkpoint was written yet: nothing to resume from"
+    else:
+        text = f"the last complete checkpoint (step {step}) is kept" + (f" in {run_dir}/checkpoints" if run_dir else "")
+    return text[0].upper() + text[1:] if sentence else text
 
 
 class DivergenceError(RuntimeError):
@@ -392,7 +394,7 @@ class Trainer:
             done = checkpoint.latest_complete(self.run_dir, self.world)
             self.ckpt_error = (f"run.dir: rank {self.rank} cannot write checkpoint step {k} in "
                                f"{self.run_dir}/checkpoints ({e.strerror or e}); "
-                               f"{_kept(done, start='the')}")
+                               f"{_kept(done, sentence=False)}")
             if last:
                 raise CheckpointError(self.ckpt_error) from None
 

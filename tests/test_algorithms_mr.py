@@ -134,7 +134,7 @@ D64 = dict(n_train=512, bs=32, steps=6, lr=0.05, wd=1e-3, mu=0.9)
 
 
 def _dpsgd64_args(run):
-    n_train, bs, steps, lr, wd = (D64[k] for k in ("n_train", "bs", "steps", "lr", "wd"))
+    n_train, bs, steps, lr, wd, _ = D64.values()
     return ["--config", "configs/fashion_parle.yaml", "algo=dpsgd", "model.dtype=float64", "model.dropout=0.0",
             f"data.train_limit={n_train}", "data.test_limit=200", f"train.batch_size={bs}", f"train.block={steps}",
             f"train.epochs={steps / 8}", f"optim.lr={lr}", f"optim.weight_decay={wd}", "optim.schedule=constant",
@@ -147,7 +147,7 @@ def test_dpsgd_float64_matches_hand_loop_with_averaged_gradients(every_algorithm
     DistributedDataParallel under torch) + Nesterov SGD equal a single-process loop over
     both ranks' batches to 1e-10."""
     run = every_algorithm(controller)["dpsgd64"]
-    n_train, bs, steps, lr, wd, mu = (D64[k] for k in ("n_train", "bs", "steps", "lr", "wd", "mu"))
+    n_train, bs, steps, lr, wd, mu = D64.values()
     s = json.loads((run / "summary.json").read_text())
     assert s["inner_steps"] == steps
     got = torch.load(run / "final.pt")
