@@ -111,7 +111,11 @@ def _load_data(cfg: Config):
         if d.target and not ds.num_classes and not cfg.model.target:
             raise RunError(f"model.name: {cfg.model.name} needs the number of classes, which a streamed data.target "
                            f"does not give (give the training set a `classes` list, or set model.target)")
-        return stream.limit(ds, d, cfg.train.seed)
+        ds = stream.limit(ds, d, cfg.train.seed)
+        # a rank waiting for a batch says so (with its workers' stacks) before another rank's
+        # watchdog, waiting for it in a collective, ends the job after dist.timeout
+        ds.stall = cfg.dist.timeout / 2
+        return ds
     if d.target:
         ds = load_user_dataset(d.target, d.kwargs, parts)
         if d.train_limit:

@@ -284,7 +284,7 @@ def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, 
     global _eng, _init_called
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # a DataLoader worker started by forkserver or spawn imports the main script again
-        raise EngineError("a DataLoader worker (data.worker_start=forkserver or spawn; auto under mpirun) ran the "
+        raise EngineError("a DataLoader worker (data.worker_start=forkserver or spawn; auto in a multi-rank job) ran the "
                           "training script again: put its code under `if __name__ == \"__main__\":`, or set "
                           "data.worker_start=fork")
     if backend not in ("auto", "horovod", "none"):

@@ -36,11 +36,15 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import faulthandler
+import math
 import multiprocessing
+import os
 import pickle
 import random
 import signal
 import sys
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +56,7 @@ import torch
 
 from . import data as D
 from .data import DataError, augment_batch, decode_image, seed_of
+from .targets import file_modules, import_file_modules
 
 GiB = 1 << 30
 
@@ -162,6 +167,7 @@ class StreamedData:
     prefetch: int = 2
     pin: bool = False
     context: str = "fork"
+    stall: float = 0.0             # seconds a rank waits for one batch from live workers (0: forever)
     skip_corrupt: bool = False
     shuffle_shards: int = 4
     streamed = True
@@ -203,6 +209,17 @@ class _seeded:
         return False
 
 
+class _Files:
+    """Unpickled as the import of the files another process imported by path
+    (data.target=path/to/file.py:fn): before what follows it in the same pickle."""
+
+    def __init__(self, files: dict):
+        self.files = files
+
+    def __reduce__(self):
+        return import_file_modules, (self.files,)
+
+
 class Decoder(torch.utils.data.Dataset):
     """Decodes a batch of ``(index, seed, bytes or None)`` items of ``table`` into
     ``{"x": uint8 [B, C, H, W] (or the user's inputs), "y": [B], "skipped": [...],
@@ -214,8 +231,15 @@ class Decoder(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         # what a forkserver or spawn worker is sent: its own table and the options, not
-        # every split's (a million training paths sent to each worker of each evaluation)
-        return {**self.__dict__, "d": dataclasses.replace(self.d, train=None, test=None, val=None)}
+        # every split's (a million training paths sent to each worker of each evaluation);
+        # first (a dict unpickles in order), the files imported by path, which a user's
+        # dataset class may live in
+        return {"files": _Files(file_modules()), **self.__dict__,
+                "d": dataclasses.replace(self.d, train=None, test=None, val=None)}
+
+    def __setstate__(self, state: dict) -> None:
+        state.pop("files", None)
+        self.__dict__.update(state)
 
     def __len__(self) -> int:
         return len(self.t)
@@ -279,6 +303,8 @@ def _worker_init(_: int) -> None:
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: signal.alarm(int(WORKER_GRACE)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a rank that waited too long for a batch asks its workers where they are (_Batched)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
@@ -293,13 +319,40 @@ def _end_workers() -> None:
         it._shutdown_workers()
 
 
+class _Iter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
+    """torch's worker iterator, whose wait for a batch ends after ``stall`` seconds (0: never)
+    with the RuntimeError of torch's own ``timeout``, while it still asks every 5 s whether
+    the workers live. torch's ``timeout`` asks only once it has passed, and a fork server's
+    workers are not this process's children, whose death SIGCHLD would report at once."""
+
+    stall = 0.0
+
+    def _get_data(self):
+        start = time.monotonic()
+        while True:
+            if self._pin_memory and not self._pin_memory_thread.is_alive():
+                raise RuntimeError("Pin memory thread exited unexpectedly")
+            left = self.stall - (time.monotonic() - start) if self.stall > 0 else math.inf
+            if left <= 0:
+                raise RuntimeError(f"DataLoader timed out after {self.stall:.0f} seconds")
+            ok, data = self._try_get_data(min(torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL, left))
+            if ok:
+                return data
+
+
 class _Loader(torch.utils.data.DataLoader):
-    """A DataLoader whose worker iterators are ended at interpreter exit (``_end_workers``)."""
+    """A DataLoader whose worker iterators are ended at interpreter exit (``_end_workers``)
+    and stop waiting for a stuck worker after ``stall`` seconds (``_Iter``)."""
+
+    stall = 0.0
 
     def _get_iterator(self):
-        it = super()._get_iterator()
-        if self.num_workers:
-            _LIVE.add(it)
+        if not self.num_workers:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        it = _Iter(self)
+        it.stall = self.stall
+        _LIVE.add(it)
         return it
 
 
@@ -314,14 +367,22 @@ class _Batches:
 
 
 def worker_start(want: str) -> str:
-    """``data.worker_start=auto``: forkserver where this process has called MPI_Init (Horovod's
-    MPI controller), as Horovod's own examples do: a fork after it is unsafe with InfiniBand
-    verbs and some other transports (Open MPI warns of it). fork everywhere else: the fastest
-    start, and the dataset need not pickle. (Asked when the workers start: after comm.init.)"""
+    """``data.worker_start=auto``: forkserver in a process that has joined a world (any
+    engine), fork in a single process. Joining starts the engine's threads (Horovod's
+    background loop and Gloo's I/O threads, MPI's progress engine, torch.distributed's
+    store). A fork copies whatever locks they hold at that instant into a child that has
+    none of those threads to release them, so a worker can deadlock. (A hang seen once in
+    CI fits this: a rank under horovodrun --gloo, its forked workers alive, waited for its
+    first batch until the job's timeout. 16 000 forks beside Horovod's threads here did not
+    reproduce it, so the cause is not proven.) A fork after MPI_Init is also unsafe with
+    InfiniBand verbs (Open MPI warns of it; Horovod's examples use forkserver). The fork
+    server starts from a clean exec, and its workers fork from it, single-threaded. fork
+    stays the choice where no engine runs: the fastest start, and the dataset need not
+    pickle. (Asked when the workers start: after comm.init.)"""
     if want != "auto":
         return want
     from . import comm                   # a question, not a collective
-    return "forkserver" if comm.controller() == "mpi" else "fork"
+    return "fork" if comm.controller() == "none" else "forkserver"
 
 
 def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.data.DataLoader:
@@ -335,7 +396,9 @@ def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.dat
             # the server imports torch and the decoders once; each worker forks from it
             multiprocessing.set_forkserver_preload(["parle_hvd.stream"])
         kw.update(prefetch_factor=d.prefetch, multiprocessing_context=ctx, worker_init_fn=_worker_init)
-    return _Loader(Decoder(d, table, mode), batch_sampler=batches, **kw)
+    dl = _Loader(Decoder(d, table, mode), batch_sampler=batches, **kw)
+    dl.stall = d.stall
+    return dl
 
 
 _WARNED: set = set()
@@ -343,14 +406,48 @@ _WARNED: set = set()
 
 class _Batched:
     """A loader's batches, with the loader's own failures as one DataError line instead of
-    a traceback: a worker killed (the out-of-memory killer, a signal), or a dataset that
-    cannot be sent to a worker (data.worker_start=spawn or forkserver pickle it)."""
+    a traceback: a worker killed (the out-of-memory killer, a signal), a dataset that
+    cannot be sent to a worker (data.worker_start=spawn or forkserver pickle it), or no
+    batch from live workers for ``StreamedData.stall`` seconds (a worker stuck in a
+    dataset's ``__getitem__``, on a file system, or deadlocked): their Python stacks are
+    printed first, so that the line comes with where they are."""
 
     def __init__(self, dl, where: str):
         self.dl, self.where, self.it = dl, where, None
 
+    def _stuck(self) -> DataError:
+        live = [w for w in getattr(self.it, "_workers", []) if w.is_alive()]
+        print(f"[{self.where}] no batch from the DataLoader workers in {self.dl.stall:.0f} s; their stacks:",
+              file=sys.stderr, flush=True)
+        for w in live:
+            try:
+                os.kill(w.pid, signal.SIGUSR1)      # faulthandler's dump, to the rank's stderr (_worker_init)
+            except OSError:
+                pass
+        time.sleep(1.0)                             # let the dumps get out before the line and the exit
+        # Then end them: a stuck worker would outlive the SIGTERM of the loader's shutdown by
+        # its grace period (_worker_init) and hold the rank's exit that long. Their pids are
+        # taken off torch's SIGCHLD watch first, or their death would be raised instead of
+        # the line below (what the loader's own shutdown does before it kills a worker).
+        try:
+            from torch.utils.data._utils import signal_handling
+            if self.it._worker_pids_set:
+                signal_handling._remove_worker_pids(id(self.it))
+                self.it._worker_pids_set = False
+            for w in live:
+                os.kill(w.pid, signal.SIGKILL)
+        except (AttributeError, OSError):           # another torch's internals: the grace period it is
+            pass
+        err = DataError(f"data.workers ({self.where}): no batch in {self.dl.stall:.0f} s (half of dist.timeout) "
+                        f"from {len(live)} live worker process(es) (pid {', '.join(str(w.pid) for w in live)}): "
+                        f"one is stuck, and their stacks are above; raise dist.timeout if a batch is only this slow")
+        err.own = True                              # this rank's alone: every rank prints it (Trainer.run)
+        return err
+
     def _fail(self, e: Exception):
         msg = str(e)
+        if isinstance(e, RuntimeError) and msg.startswith("DataLoader timed out after"):
+            return self._stuck()
         if isinstance(e, RuntimeError) and "DataLoader worker" in msg:
             return DataError(f"data.workers ({self.where}): {msg}".splitlines()[0])
         if isinstance(e, pickle.PicklingError) or (isinstance(e, (AttributeError, TypeError)) and "pickle" in msg):

@@ -26,6 +26,7 @@ any collective; whatever is wrong ends the run with one line naming the key (exi
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -45,6 +46,41 @@ class TargetError(ValueError):
     """A target that does not import, is not callable or returns the wrong thing (names the key)."""
 
 
+_FILES: dict = {}      # module name -> path of every file imported by path (data.target=path/to/file.py:fn)
+
+
+def _import_file(path: Path):
+    """The module of a file named by path, under a name made from the path alone (the same in
+    every process: a worker started by forkserver or spawn finds it again, file_modules)."""
+    name = f"parle_hvd_user_{hashlib.sha1(str(path).encode()).hexdigest()[:16]}"
+    module = sys.modules.get(name)
+    if module is None:
+        sys.path.insert(0, str(path.parent))       # so that the file's own imports of its neighbours work
+        sp = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(sp)
+        sys.modules[name] = module
+        try:
+            sp.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    _FILES[name] = str(path)
+    return module
+
+
+def file_modules() -> dict:
+    """Module name -> path of the files imported by path so far."""
+    return dict(_FILES)
+
+
+def import_file_modules(files: dict) -> None:
+    """Import, in this process, the files another one imported by path (a DataLoader worker
+    started by forkserver or spawn, before it unpickles a dataset whose class lives in one)."""
+    for name, path in files.items():
+        if name not in sys.modules:
+            _import_file(Path(path))
+
+
 def load_target(spec: str, key: str) -> Callable:
     """``module.sub:name`` (a module on sys.path / PYTHONPATH) or ``path/to/file.py:name``."""
     mod_name, sep, attr = spec.rpartition(":")
@@ -55,18 +91,7 @@ def load_target(spec: str, key: str) -> Callable:
             path = Path(mod_name).expanduser().resolve()
             if not path.is_file():
                 raise TargetError(f"{key}: no such file {mod_name}")
-            name = f"parle_hvd_user_{abs(hash(str(path)))}"
-            module = sys.modules.get(name)
-            if module is None:
-                sys.path.insert(0, str(path.parent))       # so that the file's own imports of its neighbours work
-                sp = importlib.util.spec_from_file_location(name, path)
-                module = importlib.util.module_from_spec(sp)
-                sys.modules[name] = module
-                try:
-                    sp.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[name]
-                    raise
+            module = _import_file(path)
         else:
             module = importlib.import_module(mod_name)
     except TargetError:

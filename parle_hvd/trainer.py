@@ -138,8 +138,9 @@ class Trainer:
             return self._run()
         except DataError as e:
             # A corrupt file met in training or evaluation is usually this rank's alone (each
-            # replica reads its own examples): say it here, since only rank 0's line is printed.
-            if self.rank != 0 and self.log is not None:
+            # replica reads its own examples), and so are stuck workers, even before the
+            # first sync: say it here, since only rank 0's line is printed.
+            if self.rank != 0 and (self.log is not None or getattr(e, "own", False)):
                 sys.stderr.write(f"[rank {self.rank}] error: {e}\n")
                 sys.stderr.flush()
             raise

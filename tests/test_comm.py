@@ -175,7 +175,7 @@ def test_engine_follows_the_launcher_and_refuses_what_cannot_work(bare_env):
 
 
 def test_a_script_imported_again_by_a_worker_does_not_join_the_world(monkeypatch):
-    """forkserver and spawn workers (data.worker_start=auto under mpirun) import the main
+    """forkserver and spawn workers (data.worker_start=auto in a multi-rank job) import the main
     script again; one without a __main__ guard would reach init, and MPI_Init in a worker
     aborts the job with MPI's own lines. It is one line saying what to do instead."""
     import multiprocessing

@@ -3,6 +3,7 @@ number of workers, a restart at a saved position, the ImageNet recipe's transfor
 shards against the folder they were written from, corrupt files, stream=auto, the loading
 heartbeat, and bad input."""
 import json
+import os
 import random
 import subprocess
 import sys
@@ -335,11 +336,11 @@ def test_corrupt_image_one_line_or_skipped_and_counted(tmp_path):
 
 
 class _UserSet(torch.utils.data.Dataset):
-    """A user's dataset: a label a tensor cannot hold, a worker that dies, or (its lambda)
-    one that cannot be pickled for a spawned worker."""
+    """A user's dataset: a label a tensor cannot hold, a worker that dies, a worker that
+    never returns, or ("ok": its lambda) one that cannot be pickled for a spawned worker."""
 
     def __init__(self, how):
-        self.how, self.f = how, (lambda: 0)
+        self.how, self.f = how, ((lambda: 0) if how == "ok" else None)
 
     def __len__(self):
         return 8
@@ -349,12 +350,16 @@ class _UserSet(torch.utils.data.Dataset):
             import os
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "stuck":
+            import time
+            time.sleep(600)
         return torch.zeros(2), ("seven" if self.how == "label" else 1)
 
 
 @pytest.mark.parametrize("how,context,msg", [
     ("label", "fork", r"^data: decoding a batch raised (TypeError|ValueError)"),
     ("die", "fork", r"^data.workers \(train\): DataLoader worker \(pid"),
+    ("die", "forkserver", r"^data.workers \(train\): DataLoader worker \(pid"),    # not our child: no SIGCHLD
     ("ok", "spawn", r"^data.worker_start: the dataset cannot be sent to a worker process"),
 ])
 def test_a_workers_failure_is_one_line(how, context, msg):
@@ -364,6 +369,46 @@ def test_a_workers_failure_is_one_line(how, context, msg):
     with pytest.raises(DataError, match=msg) as e:
         list(train_examples(d, [[0, 1, 2, 3]]))
     assert "\n" not in str(e.value)
+
+
+def test_a_stuck_worker_is_named_with_its_stack(capfd):
+    """A worker that never returns a batch (a __getitem__ stuck on a dead mount, or a
+    deadlock): after the stall limit (half of dist.timeout) the rank prints the live
+    workers' Python stacks and stops with one line, rather than wait until another rank's
+    watchdog ends the job without saying why."""
+    from parle_hvd.stream import StreamedData, Table
+    t = Table("target", list(range(8)), None, ds=_UserSet("stuck"))
+    d = StreamedData("t", t, t, None, 2, None, None, (2,), input_dtype="float32", workers=1, stall=2)
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match=r"^data.workers \(train\): no batch in 2 s \(half of dist.timeout\) "
+                                        r"from 1 live worker process\(es\) \(pid \d+\): one is stuck") as e:
+        list(train_examples(d, [[0, 1, 2, 3]]))
+    assert "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 15          # the stuck worker was ended, not left to its 120 s grace
+    err = capfd.readouterr().err
+    assert "no batch from the DataLoader workers in 2 s; their stacks:" in err and "in __getitem__" in err, err
+    pid = int(str(e.value).split("(pid ")[1].split(")")[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_datasets_class_from_a_file_reaches_forkserver_workers():
+    """data.target=path/to/file.py:make imports the file under a name made from its path:
+    a forkserver worker (data.worker_start=auto in a multi-rank job) imports the file again
+    before it unpickles the dataset, whose class lives there, and decodes the same examples
+    as a forked one."""
+    from parle_hvd.stream import StreamedData, Table
+    from parle_hvd.targets import load_target
+    _, test, _ = load_target(str(ROOT / "tests/user_code/data.py") + ":make", "data.target")(n_train=8, n_test=8)
+    assert type(test).__module__.startswith("parle_hvd_user_")      # Pairs, not a torch class
+    t = Table("target", list(range(8)), None, ds=test)
+    got = {}
+    for ctx in ("fork", "forkserver"):
+        d = StreamedData("t", t, t, None, 4, None, None, (8,), input_dtype="float32", workers=1, context=ctx)
+        got[ctx] = list(train_examples(d, [[0, 1, 2], [5, 7]]))
+    for (xa, ya), (xb, yb) in zip(got["fork"], got["forkserver"]):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert torch.equal(got["forkserver"][1][0], torch.stack([test[5][0], test[7][0]]))
 
 
 def test_stream_auto_follows_the_memory_limit(tmp_path):
