@@ -139,6 +139,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"[rank {rank}] interrupted", file=sys.stderr, flush=True)
         return 130
+    except Exception as e:
+        from . import comm
+        if not comm.peer_left(e):
+            raise
+        # another rank ended with its own line (a corrupt file, stuck workers): Horovod's
+        # traceback here would bury it
+        print(f"error: rank {rank}: another rank left the job while this one waited in a collective "
+              f"(that rank's own line says why)", file=sys.stderr, flush=True)
+        return 4
     finally:
         from . import comm
         comm.shutdown()

@@ -272,6 +272,9 @@ class _Horovod:
     def shutdown(self) -> None:
         self.hvd.shutdown()
 
+    def peer_left(self, e: BaseException) -> bool:
+        return isinstance(e, self.hvd.HorovodInternalError)
+
 
 def init(backend: str = "auto", set_threads: bool = True, timeout: float = 0.0, engine: str = "auto",
          gpu_backend: str = "nccl") -> None:
@@ -347,7 +350,8 @@ def local_size() -> int:
 
 def controller() -> str:
     """Who carries the bytes: 'mpi' or 'gloo' (Horovod's controllers), 'gloo' or
-    'gloo+nccl' (torch.distributed's backends), 'none' (world size 1)."""
+    'gloo+nccl' (torch.distributed's backends), 'none' (no world joined: a single process
+    without a launcher)."""
     return _eng.controller() if _eng else "none"
 
 
@@ -590,6 +594,12 @@ def elastic_run(fn, state, *args, **kwargs):
     restore the last commit, re-form the world and sync; when hosts change (interrupt raised
     by ``state.commit``) re-form the world and sync. Returns ``fn``'s result."""
     return _eng.hvd.elastic.run(fn)(state, *args, **kwargs)
+
+
+def peer_left(e: BaseException) -> bool:
+    """Whether ``e`` is the engine's word that it shut down in a collective because another
+    rank left the job (Horovod's HorovodInternalError outside elastic mode's recovery)."""
+    return _eng is not None and getattr(_eng, "peer_left", lambda _: False)(e)
 
 
 def shutdown() -> None:

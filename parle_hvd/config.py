@@ -64,7 +64,7 @@ class DataConfig:
     pin_memory: bool = _f(True, "streamed, on a GPU: page-locked batches, copied to the device without blocking")
     worker_start: str = _f("auto", "streamed: how workers start (multiprocessing context); auto: forkserver in a "
                            "job that joined a world (the engine's threads are running: a fork of such a process "
-                           "can deadlock in the child), fork in a single process",
+                           "can deadlock in the child), fork in a single process without a launcher",
                            ["auto", "fork", "spawn", "forkserver"])
     stats_sample: int = _f(2000, "folder, shards: normalisation mean/std from this many training images "
                            "(a fixed sample by train.seed; all when fewer); saved in final.json")
@@ -310,8 +310,8 @@ class DistConfig:
                      "under horovodrun/mpirun/srun when it is installed)", ["auto", "horovod", "torch"])
     threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
     timeout: float = _f(300.0, "seconds any collective may wait before the run fails naming the silent rank "
-                        "(0 = wait forever); also Horovod's stall shutdown time; streamed, a rank waits half of it for "
-                        "one batch from its DataLoader workers, then prints their stacks and stops")
+                        "(0 = wait forever); also Horovod's stall shutdown time; streamed, a rank waits half of it (at "
+                        "least 60 s) for a batch from its DataLoader workers, then prints their stacks and stops")
     expect_ranks: int = _f(0, "the number of ranks this config is meant for (0 = any); a mismatch stops the run")
     device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
                      ["auto", "cpu", "cuda"])

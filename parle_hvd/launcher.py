@@ -41,7 +41,7 @@ _TRACEBACK = re.compile(rb"^Traceback \(most recent call last\):")
 _BANNER = re.compile(rb"^-{20,}\s*$")
 _EXIT_CODE = [re.compile(p) for p in (rb"Exit code:\s*(\d+)", rb"exit(?:ed)? with (?:status|exit) code (\d+)",
                                       rb"exitcode\s*:\s*(\d+)")]          # the last: torchrun's "Root Cause"
-_FIRST_RANK = [re.compile(p) for p in (rb"Process name:\s*(\d+)\s*$", rb"Process name:\s*\[\[\d+,\d+\],(\d+)\]",
+_FIRST_RANK = [re.compile(p, re.M) for p in (rb"Process name:\s*(\d+)[ \t]*$", rb"Process name:\s*\[\[\d+,\d+\],(\d+)\]",
                                        rb"task (\d+): Exited with exit code", rb"rank\s*:\s*(\d+) \(local_rank")]
 
 

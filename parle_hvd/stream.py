@@ -35,6 +35,7 @@ the workers decode its bytes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import faulthandler
 import math
@@ -290,6 +291,11 @@ def _identity(batch):
 
 
 WORKER_GRACE = 120.0   # seconds a worker goes on decoding after a SIGTERM
+# What asks a worker for its Python stacks: SIGURG, whose default is to be ignored, so that
+# a worker not yet in _worker_init (stuck unpickling its dataset) is not killed by it, and
+# which nothing here sends otherwise (SIGUSR1 may be a scheduler's warning; SIGWINCH comes
+# with every resize of a terminal).
+STACK_SIGNAL = signal.SIGURG
 
 
 def _worker_init(_: int) -> None:
@@ -303,8 +309,8 @@ def _worker_init(_: int) -> None:
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: signal.alarm(int(WORKER_GRACE)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a rank that waited too long for a batch asks its workers where they are (_Batched)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # a rank that waited too long for a batch asks its workers where they are (_Batched._stuck)
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
 
 
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
@@ -416,31 +422,34 @@ class _Batched:
         self.dl, self.where, self.it = dl, where, None
 
     def _stuck(self) -> DataError:
-        live = [w for w in getattr(self.it, "_workers", []) if w.is_alive()]
+        it = self.it
+        live = [w for w in getattr(it, "_workers", []) if w.is_alive()]
+        # Off torch's SIGCHLD watch first (as the loader's own shutdown does before it kills a
+        # worker): their deaths below are ours, and would be raised in place of the line.
+        try:
+            from torch.utils.data._utils import signal_handling
+            if it._worker_pids_set:
+                signal_handling._remove_worker_pids(id(it))
+                it._worker_pids_set = False
+            unwatched = True
+        except AttributeError:                      # another torch's internals: no kill below
+            unwatched = False
         print(f"[{self.where}] no batch from the DataLoader workers in {self.dl.stall:.0f} s; their stacks:",
               file=sys.stderr, flush=True)
         for w in live:
-            try:
-                os.kill(w.pid, signal.SIGUSR1)      # faulthandler's dump, to the rank's stderr (_worker_init)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                os.kill(w.pid, STACK_SIGNAL)        # faulthandler's dump, to the rank's stderr (_worker_init)
         time.sleep(1.0)                             # let the dumps get out before the line and the exit
-        # Then end them: a stuck worker would outlive the SIGTERM of the loader's shutdown by
-        # its grace period (_worker_init) and hold the rank's exit that long. Their pids are
-        # taken off torch's SIGCHLD watch first, or their death would be raised instead of
-        # the line below (what the loader's own shutdown does before it kills a worker).
-        try:
-            from torch.utils.data._utils import signal_handling
-            if self.it._worker_pids_set:
-                signal_handling._remove_worker_pids(id(self.it))
-                self.it._worker_pids_set = False
+        if unwatched:
+            # a stuck worker would outlive the SIGTERM of the loader's shutdown by its grace
+            # period (_worker_init), and hold the rank's exit that long
             for w in live:
-                os.kill(w.pid, signal.SIGKILL)
-        except (AttributeError, OSError):           # another torch's internals: the grace period it is
-            pass
-        err = DataError(f"data.workers ({self.where}): no batch in {self.dl.stall:.0f} s (half of dist.timeout) "
-                        f"from {len(live)} live worker process(es) (pid {', '.join(str(w.pid) for w in live)}): "
-                        f"one is stuck, and their stacks are above; raise dist.timeout if a batch is only this slow")
+                with contextlib.suppress(OSError):
+                    os.kill(w.pid, signal.SIGKILL)
+        err = DataError(f"data.workers ({self.where}): no batch in {self.dl.stall:.0f} s (half of dist.timeout, "
+                        f"at least 60 s) from {len(live)} live worker process(es) "
+                        f"(pid {', '.join(str(w.pid) for w in live)}): one is stuck, and the stacks of those that "
+                        f"had started are above; raise dist.timeout if a batch is only this slow")
         err.own = True                              # this rank's alone: every rank prints it (Trainer.run)
         return err
 

@@ -30,6 +30,7 @@ import hashlib
 import importlib
 import importlib.util
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +47,14 @@ class TargetError(ValueError):
     """A target that does not import, is not callable or returns the wrong thing (names the key)."""
 
 
-_FILES: dict = {}      # module name -> path of every file imported by path (data.target=path/to/file.py:fn)
+_FILES: dict = {}      # module name -> path of data.target's file, where it was named by path
 
 
-def _import_file(path: Path):
+def _import_file(path: Path, *, share: bool = False):
     """The module of a file named by path, under a name made from the path alone (the same in
-    every process: a worker started by forkserver or spawn finds it again, file_modules)."""
-    name = f"parle_hvd_user_{hashlib.sha1(str(path).encode()).hexdigest()[:16]}"
+    every process). ``share``: a dataset's file (data.target), which a DataLoader worker
+    started by forkserver or spawn imports again (file_modules)."""
+    name = f"parle_hvd_user_{hashlib.sha1(os.fsencode(str(path))).hexdigest()[:16]}"
     module = sys.modules.get(name)
     if module is None:
         sys.path.insert(0, str(path.parent))       # so that the file's own imports of its neighbours work
@@ -64,12 +66,13 @@ def _import_file(path: Path):
         except BaseException:
             del sys.modules[name]
             raise
-    _FILES[name] = str(path)
+    if share:
+        _FILES[name] = str(path)
     return module
 
 
 def file_modules() -> dict:
-    """Module name -> path of the files imported by path so far."""
+    """Module name -> path of the dataset files (data.target) imported by path so far."""
     return dict(_FILES)
 
 
@@ -78,7 +81,7 @@ def import_file_modules(files: dict) -> None:
     started by forkserver or spawn, before it unpickles a dataset whose class lives in one)."""
     for name, path in files.items():
         if name not in sys.modules:
-            _import_file(Path(path))
+            _import_file(Path(path), share=True)
 
 
 def load_target(spec: str, key: str) -> Callable:
@@ -91,7 +94,7 @@ def load_target(spec: str, key: str) -> Callable:
             path = Path(mod_name).expanduser().resolve()
             if not path.is_file():
                 raise TargetError(f"{key}: no such file {mod_name}")
-            module = _import_file(path)
+            module = _import_file(path, share=key == "data.target")
         else:
             module = importlib.import_module(mod_name)
     except TargetError:

@@ -141,7 +141,7 @@ class Trainer:
             # replica reads its own examples), and so are stuck workers, even before the
             # first sync: say it here, since only rank 0's line is printed.
             if self.rank != 0 and (self.log is not None or getattr(e, "own", False)):
-                sys.stderr.write(f"[rank {self.rank}] error: {e}\n")
+                sys.stderr.write(f"error: rank {self.rank}: {e}\n")      # an error: line, as launcher.py finds them
                 sys.stderr.flush()
             raise
         finally:

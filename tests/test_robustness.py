@@ -229,6 +229,28 @@ def test_launch_script_ends_with_the_failing_ranks_line_and_its_exit_code(tmp_pa
     assert "Traceback" not in out and "Traceback" in log.read_text()
 
 
+def test_the_launcher_ends_with_the_first_failing_ranks_line(tmp_path, capfd, monkeypatch):
+    """Two ranks print error lines: rank 1 failed first (its own stuck workers, say) and
+    rank 0 then said that a rank left. horovodrun's report names the first to exit ("Process
+    name: 1" followed by "Exit code: 2", not at the end of the report): that rank's line is
+    the one printed last, with its code."""
+    from parle_hvd import launcher
+    fake = tmp_path / "fake_horovodrun.py"
+    fake.write_text(
+        "import sys\n"
+        "print('[1]<stderr>:error: rank 1: data.workers (train): one is stuck', file=sys.stderr, flush=True)\n"
+        "print('[0]<stderr>:error: rank 0: another rank left the job', file=sys.stderr, flush=True)\n"
+        "print('Traceback (most recent call last):', file=sys.stderr)\n"
+        "print('RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing "
+        "the job to be terminated. The first process to do so was:', file=sys.stderr)\n"
+        "print('Process name: 1', file=sys.stderr)\nprint('Exit code: 2', file=sys.stderr)\nsys.exit(1)\n")
+    monkeypatch.setenv("PARLE_HVD_LAUNCHER_LOG", str(tmp_path / "report.log"))
+    rc = launcher.main(["--", sys.executable, str(fake)])
+    err = [l for l in capfd.readouterr().err.splitlines() if l.strip()]
+    assert rc == 2 and err[-1] == "[1]<stderr>:error: rank 1: data.workers (train): one is stuck", err
+    assert "Traceback" not in "\n".join(err) and "Process name: 1" in (tmp_path / "report.log").read_text()
+
+
 # ------------------------------------------------------------------------ signals
 @pytest.mark.multirank
 def test_sigterm_on_one_rank_stops_all_with_checkpoint_and_exit_0(tmp_path):

@@ -380,8 +380,8 @@ def test_a_stuck_worker_is_named_with_its_stack(capfd):
     t = Table("target", list(range(8)), None, ds=_UserSet("stuck"))
     d = StreamedData("t", t, t, None, 2, None, None, (2,), input_dtype="float32", workers=1, stall=2)
     t0 = time.monotonic()
-    with pytest.raises(DataError, match=r"^data.workers \(train\): no batch in 2 s \(half of dist.timeout\) "
-                                        r"from 1 live worker process\(es\) \(pid \d+\): one is stuck") as e:
+    with pytest.raises(DataError, match=r"^data.workers \(train\): no batch in 2 s \(half of dist.timeout, at least "
+                                        r"60 s\) from 1 live worker process\(es\) \(pid \d+\): one is stuck") as e:
         list(train_examples(d, [[0, 1, 2, 3]]))
     assert "\n" not in str(e.value)
     assert time.monotonic() - t0 < 15          # the stuck worker was ended, not left to its 120 s grace

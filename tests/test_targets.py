@@ -5,6 +5,7 @@ own class with weights_only=True; and every kind of bad target refused with one 
 exit 2, before any collective and before any file is written."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,6 +85,27 @@ def test_a_bad_target_stops_every_rank_before_any_collective(tmp_path):
     errors = [l for l in o.splitlines() if "error: train.loss: usermods.losses:per_example must return a scalar" in l]
     assert out[0]["_rc"] != 0 and len(errors) == 1, o          # rank 0's line, once; no rank waits for another
     assert "stopped answering" not in o and not (tmp_path / "r").exists()
+
+
+@pytest.mark.multirank
+def test_a_read_failing_on_one_rank_mid_run_is_that_ranks_line_and_no_traceback(tmp_path):
+    """A streamed data.target whose reads fail on rank 1 only, mid-run: rank 1 names the
+    example in an error: line; rank 0, left alone in the next collective, says so in one
+    line of its own (when the launcher's SIGTERM does not end it first), not with Horovod's
+    traceback."""
+    out = run_ranks(TRAIN, controller="gloo", args=[
+        "--config", "configs/fashion_parle.yaml", "model.target=usermods.nets:make_mlp",
+        "data.target=tests/user_code/data.py:fails_on_rank1", "data.stream=true", "data.workers=0",
+        "train.batch_size=32", "train.epochs=4", "parle.sync_period=4", "eval.bn_batches=0", "dist.threads=1",
+        "run.tensorboard=false", f"run.dir={tmp_path / 'r'}"], env=ENV, timeout=120, reports=False, expect_fail=True)
+    o = out[0]["_output"]
+    assert out[0]["_rc"] != 0, o
+    assert re.search(r"^\[1\](<stderr>)?:error: rank 1: data.target: reading example \d+ raised OSError: example "
+                     r"\d+: Input/output error$", o, re.M), o
+    assert not re.search(r"^\[0\](<stderr>)?:Traceback", o, re.M), o
+    rank0 = re.findall(r"^\[0\](?:<stderr>)?:(error: .*)$", o, re.M)
+    assert rank0 in ([], ["error: rank 0: another rank left the job while this one waited in a collective (that "
+                          "rank's own line says why)"]), o
 
 
 @pytest.mark.multirank

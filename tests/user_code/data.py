@@ -1,5 +1,7 @@
 """A user's dataset, named by file path (data.target=tests/user_code/data.py:make): four classes
 in 8 dimensions, the class of x being argmax(W x) for a fixed W, so a small MLP learns it."""
+import os
+
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
@@ -56,3 +58,24 @@ class Jittered(Dataset):
 
 def jittered(n_train: int = 64, n_test: int = 16):
     return Jittered(n_train), Jittered(n_test)
+
+
+class FailsOnRank1(Dataset):
+    """Reads fail on rank 1 only, after its first ``after`` reads (a file only that rank
+    reads, gone bad in the middle of a run)."""
+
+    def __init__(self, n, after):
+        self.n, self.after, self.reads = n, after, 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if os.environ.get("HOROVOD_RANK", os.environ.get("RANK")) == "1" and self.reads > self.after:
+            raise OSError(f"example {i}: Input/output error")
+        return torch.full((8,), float(i % 7)), i % 4
+
+
+def fails_on_rank1(n_train: int = 512, n_test: int = 64, after: int = 400):
+    return FailsOnRank1(n_train, after), FailsOnRank1(n_test, 10**9)
