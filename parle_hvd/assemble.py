@@ -113,9 +113,11 @@ def _load_data(cfg: Config):
                            f"does not give (give the training set a `classes` list, or set model.target)")
         ds = stream.limit(ds, d, cfg.train.seed)
         # a rank waiting for a batch says so (with its workers' stacks) before another rank's
-        # watchdog, waiting for it in a collective, ends the job after dist.timeout; at least
-        # 60 s, for a fork server's first workers (they import the script and the user's files)
-        ds.stall = max(60.0, cfg.dist.timeout / 2) if cfg.dist.timeout > 0 else 0.0
+        # watchdog, waiting for it in a collective, ends the job after dist.timeout: half of
+        # it, or 60 s for a fork server's first workers (they import the script and the
+        # user's files), but always under it
+        t = cfg.dist.timeout
+        ds.stall = min(max(60.0, t / 2), 0.75 * t) if t > 0 else 0.0
         return ds
     if d.target:
         ds = load_user_dataset(d.target, d.kwargs, parts)

@@ -143,10 +143,11 @@ def main(argv=None) -> int:
         from . import comm
         if not comm.peer_left(e):
             raise
-        # another rank ended with its own line (a corrupt file, stuck workers): Horovod's
-        # traceback here would bury it
-        print(f"error: rank {rank}: another rank left the job while this one waited in a collective "
-              f"(that rank's own line says why)", file=sys.stderr, flush=True)
+        # mostly another rank that ended with its own line (an unreadable example, stuck
+        # workers): Horovod's traceback here would bury it; Horovod's first words stay
+        why = str(e).split(". ")[0].splitlines()[0][:160]
+        print(f"error: rank {rank}: the engine ended a collective this rank waited in ({why}): another rank left "
+              f"the job or disagreed; its own error line, if it printed one, says why", file=sys.stderr, flush=True)
         return 4
     finally:
         from . import comm

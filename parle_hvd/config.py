@@ -311,7 +311,7 @@ class DistConfig:
     threads: int = _f(0, "torch threads per rank (0 = cores / ranks on this host)")
     timeout: float = _f(300.0, "seconds any collective may wait before the run fails naming the silent rank "
                         "(0 = wait forever); also Horovod's stall shutdown time; streamed, a rank waits half of it (at "
-                        "least 60 s) for a batch from its DataLoader workers, then prints their stacks and stops")
+                        "least 60 s, under it) for a batch from its workers, then prints their stacks and stops")
     expect_ranks: int = _f(0, "the number of ranks this config is meant for (0 = any); a mismatch stops the run")
     device: str = _f("auto", "auto: the GPU of this rank's local rank when CUDA is available, else CPU",
                      ["auto", "cpu", "cuda"])

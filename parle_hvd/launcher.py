@@ -10,7 +10,8 @@ mpirun's dashed banners, srun's "srun: error:" lines) is held back; when the job
 
 * the job failed and a rank printed ``error: ...``: the report goes to a log file (its
   path in one line), then the failing rank's own ``error:`` line is printed again, last,
-  and the exit code is that rank's (2 bad input, 3 divergence, 4 a silent rank);
+  and the exit code is that rank's (2 bad input, 3 divergence, 4 a silent rank, or a rank
+  left alone in a collective by another);
 * otherwise (success, or a failure with no ``error:`` line, a crash say): the held-back
   lines are printed as they were, and the exit code is the launcher's.
 
@@ -41,7 +42,7 @@ _TRACEBACK = re.compile(rb"^Traceback \(most recent call last\):")
 _BANNER = re.compile(rb"^-{20,}\s*$")
 _EXIT_CODE = [re.compile(p) for p in (rb"Exit code:\s*(\d+)", rb"exit(?:ed)? with (?:status|exit) code (\d+)",
                                       rb"exitcode\s*:\s*(\d+)")]          # the last: torchrun's "Root Cause"
-_FIRST_RANK = [re.compile(p, re.M) for p in (rb"Process name:\s*(\d+)[ \t]*$", rb"Process name:\s*\[\[\d+,\d+\],(\d+)\]",
+_FIRST_RANK = [re.compile(p, re.M) for p in (rb"Process name:\s*(\d+)[ \t\r]*$", rb"Process name:\s*\[\[\d+,\d+\],(\d+)\]",
                                        rb"task (\d+): Exited with exit code", rb"rank\s*:\s*(\d+) \(local_rank")]
 
 

@@ -423,7 +423,12 @@ class _Batched:
 
     def _stuck(self) -> DataError:
         it = self.it
-        live = [w for w in getattr(it, "_workers", []) if w.is_alive()]
+        workers = getattr(it, "_workers", [])
+        dead = [w for w in workers if not w.is_alive()]
+        if dead:      # one died in the wait's last seconds: that is the news, not a stuck one
+            return DataError(f"data.workers ({self.where}): DataLoader worker (pid(s) "
+                             f"{', '.join(str(w.pid) for w in dead)}) exited unexpectedly")
+        live = list(workers)
         # Off torch's SIGCHLD watch first (as the loader's own shutdown does before it kills a
         # worker): their deaths below are ours, and would be raised in place of the line.
         try:
@@ -446,8 +451,8 @@ class _Batched:
             for w in live:
                 with contextlib.suppress(OSError):
                     os.kill(w.pid, signal.SIGKILL)
-        err = DataError(f"data.workers ({self.where}): no batch in {self.dl.stall:.0f} s (half of dist.timeout, "
-                        f"at least 60 s) from {len(live)} live worker process(es) "
+        err = DataError(f"data.workers ({self.where}): no batch in {self.dl.stall:.0f} s (the limit dist.timeout "
+                        f"sets) from {len(live)} live worker process(es) "
                         f"(pid {', '.join(str(w.pid) for w in live)}): one is stuck, and the stacks of those that "
                         f"had started are above; raise dist.timeout if a batch is only this slow")
         err.own = True                              # this rank's alone: every rank prints it (Trainer.run)

@@ -378,15 +378,15 @@ def test_a_stuck_worker_is_named_with_its_stack(capfd):
     watchdog ends the job without saying why."""
     from parle_hvd.stream import StreamedData, Table
     t = Table("target", list(range(8)), None, ds=_UserSet("stuck"))
-    d = StreamedData("t", t, t, None, 2, None, None, (2,), input_dtype="float32", workers=1, stall=2)
+    d = StreamedData("t", t, t, None, 2, None, None, (2,), input_dtype="float32", workers=1, stall=4)
     t0 = time.monotonic()
-    with pytest.raises(DataError, match=r"^data.workers \(train\): no batch in 2 s \(half of dist.timeout, at least "
-                                        r"60 s\) from 1 live worker process\(es\) \(pid \d+\): one is stuck") as e:
+    with pytest.raises(DataError, match=r"^data.workers \(train\): no batch in 4 s \(the limit dist.timeout sets\) "
+                                        r"from 1 live worker process\(es\) \(pid \d+\): one is stuck") as e:
         list(train_examples(d, [[0, 1, 2, 3]]))
     assert "\n" not in str(e.value)
-    assert time.monotonic() - t0 < 15          # the stuck worker was ended, not left to its 120 s grace
+    assert time.monotonic() - t0 < 20          # the stuck worker was ended, not left to its 120 s grace
     err = capfd.readouterr().err
-    assert "no batch from the DataLoader workers in 2 s; their stacks:" in err and "in __getitem__" in err, err
+    assert "no batch from the DataLoader workers in 4 s; their stacks:" in err and "in __getitem__" in err, err
     pid = int(str(e.value).split("(pid ")[1].split(")")[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
