@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             raise
         # mostly another rank that ended with its own line (an unreadable example, stuck
         # workers): Horovod's traceback here would bury it; Horovod's first words stay
-        why = str(e).split(". ")[0].splitlines()[0][:160]
+        why = (str(e).split(". ")[0].splitlines() or [type(e).__name__])[0][:160]
         print(f"error: rank {rank}: the engine ended a collective this rank waited in ({why}): another rank left "
               f"the job or disagreed; its own error line, if it printed one, says why", file=sys.stderr, flush=True)
         return 4

@@ -326,21 +326,20 @@ def _end_workers() -> None:
 
 
 class _Iter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
-    """torch's worker iterator, whose wait for a batch ends after ``stall`` seconds (0: never)
-    with the RuntimeError of torch's own ``timeout``, while it still asks every 5 s whether
-    the workers live. torch's ``timeout`` asks only once it has passed, and a fork server's
-    workers are not this process's children, whose death SIGCHLD would report at once."""
-
-    stall = 0.0
+    """torch's worker iterator, whose wait for a batch ends after the data's ``stall``
+    seconds (0: never) with the RuntimeError of torch's own ``timeout``, while it still asks
+    every 5 s whether the workers live. torch's ``timeout`` asks only once it has passed, and
+    a fork server's workers are not this process's children, whose death SIGCHLD would
+    report at once."""
 
     def _get_data(self):
-        start = time.monotonic()
+        stall, start = self._dataset.d.stall, time.monotonic()      # (the Decoder's StreamedData)
         while True:
             if self._pin_memory and not self._pin_memory_thread.is_alive():
                 raise RuntimeError("Pin memory thread exited unexpectedly")
-            left = self.stall - (time.monotonic() - start) if self.stall > 0 else math.inf
+            left = stall - (time.monotonic() - start) if stall > 0 else math.inf
             if left <= 0:
-                raise RuntimeError(f"DataLoader timed out after {self.stall:.0f} seconds")
+                raise RuntimeError(f"DataLoader timed out after {stall:.0f} seconds")
             ok, data = self._try_get_data(min(torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL, left))
             if ok:
                 return data
@@ -348,16 +347,13 @@ class _Iter(torch.utils.data.dataloader._MultiProcessingDataLoaderIter):
 
 class _Loader(torch.utils.data.DataLoader):
     """A DataLoader whose worker iterators are ended at interpreter exit (``_end_workers``)
-    and stop waiting for a stuck worker after ``stall`` seconds (``_Iter``)."""
-
-    stall = 0.0
+    and stop waiting for a stuck worker after the data's ``stall`` seconds (``_Iter``)."""
 
     def _get_iterator(self):
         if not self.num_workers:
             return super()._get_iterator()
         self.check_worker_number_rationality()
         it = _Iter(self)
-        it.stall = self.stall
         _LIVE.add(it)
         return it
 
@@ -402,9 +398,7 @@ def loader(d: StreamedData, table: Table, mode: str, batches) -> torch.utils.dat
             # the server imports torch and the decoders once; each worker forks from it
             multiprocessing.set_forkserver_preload(["parle_hvd.stream"])
         kw.update(prefetch_factor=d.prefetch, multiprocessing_context=ctx, worker_init_fn=_worker_init)
-    dl = _Loader(Decoder(d, table, mode), batch_sampler=batches, **kw)
-    dl.stall = d.stall
-    return dl
+    return _Loader(Decoder(d, table, mode), batch_sampler=batches, **kw)
 
 
 _WARNED: set = set()
@@ -422,7 +416,7 @@ class _Batched:
         self.dl, self.where, self.it = dl, where, None
 
     def _stuck(self) -> DataError:
-        it = self.it
+        it, stall = self.it, self.dl.dataset.d.stall
         workers = getattr(it, "_workers", [])
         dead = [w for w in workers if not w.is_alive()]
         if dead:      # one died in the wait's last seconds: that is the news, not a stuck one
@@ -439,7 +433,7 @@ class _Batched:
             unwatched = True
         except AttributeError:                      # another torch's internals: no kill below
             unwatched = False
-        print(f"[{self.where}] no batch from the DataLoader workers in {self.dl.stall:.0f} s; their stacks:",
+        print(f"[{self.where}] no batch from the DataLoader workers in {stall:.0f} s; their stacks:",
               file=sys.stderr, flush=True)
         for w in live:
             with contextlib.suppress(OSError):
@@ -451,7 +445,7 @@ class _Batched:
             for w in live:
                 with contextlib.suppress(OSError):
                     os.kill(w.pid, signal.SIGKILL)
-        err = DataError(f"data.workers ({self.where}): no batch in {self.dl.stall:.0f} s (the limit dist.timeout "
+        err = DataError(f"data.workers ({self.where}): no batch in {stall:.0f} s (the limit dist.timeout "
                         f"sets) from {len(live)} live worker process(es) "
                         f"(pid {', '.join(str(w.pid) for w in live)}): one is stuck, and the stacks of those that "
                         f"had started are above; raise dist.timeout if a batch is only this slow")
